@@ -1,0 +1,26 @@
+"""flashtile: exact FlashAttention you can read, change and trust.
+
+Public API:
+    flash_attn_func                flash-attn's signature and layout, bottom-right causal alignment
+    scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
+    explain                        what a call would run (backend, kernel, tiles) and why
+    use_backend                    context manager choosing the backend ("auto", "torch", "triton")
+    reference                      the float64 oracle (dense; for checking only)
+"""
+
+from . import reference
+from ._dispatch import BackendUnavailableError, use_backend
+from .interface import Explanation, explain, flash_attn_func, scaled_dot_product_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "Explanation",
+    "explain",
+    "flash_attn_func",
+    "reference",
+    "scaled_dot_product_attention",
+    "use_backend",
+    "__version__",
+]

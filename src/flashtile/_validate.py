@@ -1,0 +1,325 @@
+"""The input contract: turn user arguments into one validated `AttentionProblem`.
+
+Every public entry point calls into this module before any backend sees a tensor, so every
+backend can rely on the same invariants. Each violation raises `TypeError` (wrong kind of
+object or dtype) or `ValueError` (wrong value or shape) naming the argument, the actual value
+and the rule.
+
+The canonical layout handed to backends is "BHSD": q (batch, nheads, seqlen_q, headdim),
+k (batch, nheads_k, seqlen_k, headdim), v (batch, nheads_k, seqlen_k, headdim_v), as views of
+the caller's tensors (no copies unless the last dimension is not unit-stride).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEADDIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """A validated attention call, independent of layout and backend.
+
+    Query row i may attend key column j iff
+        (window_left  < 0 or j >= i + diagonal_offset - window_left) and
+        (window_right < 0 or j <= i + diagonal_offset + window_right),
+    where diagonal_offset is seqlen_k - seqlen_q for bottom-right alignment (flash-attn) and 0 for
+    top-left alignment (torch SDPA). Scores are softmax_scale * q·k, then softcapped, then ALiBi
+    (-slope * |i + diagonal_offset - j|) and the user's attn_mask are applied.
+    """
+
+    batch: int
+    nheads: int
+    nheads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    headdim: int
+    headdim_v: int
+    dtype: torch.dtype
+    device: torch.device
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    diagonal_offset: int
+    softcap: float
+    has_alibi: bool
+    mask_kind: str | None  # None, "bool" (True = attend) or "additive"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one key/value head (1 for MHA, nheads for MQA)."""
+        return self.nheads // self.nheads_k
+
+    @property
+    def is_banded(self) -> bool:
+        """True when causal or a sliding window restricts which keys a row sees."""
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def accumulation_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    def describe_masking(self) -> str:
+        if not self.is_banded:
+            band = "no causal/window mask"
+        else:
+            align = "bottom-right" if self.diagonal_offset == self.seqlen_k - self.seqlen_q else "top-left"
+            kind = "causal" if self.window_right == 0 and self.window_left < 0 else "window"
+            band = f"{kind} (window_size=({self.window_left}, {self.window_right}), {align} aligned, diagonal offset {self.diagonal_offset})"
+        parts = [band, f"softcap {self.softcap:g}" if self.softcap > 0 else "no softcap",
+                 "ALiBi" if self.has_alibi else "no ALiBi"]
+        if self.mask_kind is not None:
+            parts.append(f"{self.mask_kind} attn_mask")
+        return ", ".join(parts)
+
+
+def _require_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _require_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _require_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_qkv_dtypes_devices(names: tuple[str, str, str], tensors: tuple[torch.Tensor, ...]) -> None:
+    for name, t in zip(names, tensors):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; supported dtypes are float16, bfloat16, float32 and float64")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))
+        raise TypeError(f"{', '.join(names)} must share one dtype, got {listing}")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        listing = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
+        raise ValueError(f"{', '.join(names)} must be on one device, got {listing}")
+
+
+def _check_headdims(headdim: int, headdim_v: int, q_name: str, v_name: str) -> None:
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"{q_name} has head dim {headdim}; it must be between 1 and {MAX_HEADDIM}")
+    if not 1 <= headdim_v <= MAX_HEADDIM:
+        raise ValueError(f"{v_name} has head dim {headdim_v}; it must be between 1 and {MAX_HEADDIM}")
+
+
+def _check_heads(nheads: int, nheads_k: int, q_name: str, k_name: str) -> None:
+    if nheads < 1 or nheads_k < 1:
+        raise ValueError(f"{q_name} has {nheads} heads and {k_name} has {nheads_k}; both need at least one")
+    if nheads % nheads_k != 0:
+        raise ValueError(
+            f"{k_name} has {nheads_k} heads but {q_name} has {nheads}; nheads must be a multiple of "
+            f"nheads_k (grouped-query attention shares each key/value head among nheads // nheads_k query heads)")
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """Return t, or a contiguous copy when its last dimension is not unit-stride (kernels need it)."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
+def _check_dropout(dropout_p: object) -> None:
+    p = _require_real("dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    if p > 0.0:
+        raise NotImplementedError(
+            f"dropout_p={p}: attention dropout is not implemented in flashtile yet; pass dropout_p=0.0 "
+            "(at evaluation time dropout must be 0 anyway)")
+
+
+def _check_scale(scale: object, name: str, headdim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(headdim)
+    return _require_real(name, scale)
+
+
+def _check_window(window_size: object, causal: bool) -> tuple[int, int]:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    left, right = window_size
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int, got {value!r} ({type(value).__name__})")
+        if value < -1:
+            raise ValueError(f"window_size {side} is {value}; it must be -1 (unbounded) or >= 0")
+    left, right = int(left), int(right)
+    if causal:
+        right = 0  # causal means no key to the right of the diagonal
+    return left, right
+
+
+def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.device) -> torch.Tensor | None:
+    """Return slopes as (batch or 1, nheads), or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = _require_tensor("alibi_slopes", alibi_slopes)
+    if not slopes.is_floating_point():
+        raise TypeError(f"alibi_slopes must be a floating tensor, got dtype {slopes.dtype}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {slopes.device} but q is on {device}")
+    if tuple(slopes.shape) == (nheads,):
+        slopes = slopes.unsqueeze(0)
+    elif tuple(slopes.shape) != (batch, nheads):
+        raise ValueError(
+            f"alibi_slopes has shape {tuple(slopes.shape)}; it must be (nheads,) = ({nheads},) or "
+            f"(batch, nheads) = ({batch}, {nheads})")
+    if slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError("alibi_slopes requires grad, but flashtile does not differentiate with respect to "
+                         "ALiBi slopes; pass alibi_slopes.detach()")
+    return slopes
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """Validated tensors in BHSD layout plus the problem description."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    alibi_slopes: torch.Tensor | None  # (batch or 1, nheads)
+    attn_mask: torch.Tensor | None  # 4-D, broadcastable to (batch, nheads, seqlen_q, seqlen_k)
+    problem: AttentionProblem
+
+
+def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       deterministic, return_attn_probs, return_lse) -> PreparedCall:
+    """Validate `flash_attn_func` arguments (flash-attn layout, bottom-right alignment)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _require_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}")
+    _check_qkv_dtypes_devices(("q", "k", "v"), (q, k, v))
+    batch, seqlen_q, nheads, headdim = q.shape
+    batch_k, seqlen_k, nheads_k, headdim_k = k.shape
+    batch_v, seqlen_v, nheads_v, headdim_v = v.shape
+    if batch_k != batch or batch_v != batch:
+        raise ValueError(f"batch sizes differ: q has {batch}, k has {batch_k}, v has {batch_v}")
+    if headdim_k != headdim:
+        raise ValueError(f"q has head dim {headdim} but k has {headdim_k}; q and k head dims must match")
+    if seqlen_v != seqlen_k:
+        raise ValueError(f"k has seqlen {seqlen_k} but v has {seqlen_v}; k and v must have the same length")
+    if nheads_v != nheads_k:
+        raise ValueError(f"k has {nheads_k} heads but v has {nheads_v}; k and v must have the same heads")
+    _check_headdims(headdim, headdim_v, "q", "v")
+    _check_heads(nheads, nheads_k, "q", "k")
+    _check_dropout(dropout_p)
+    _require_bool("causal", causal)
+    _require_bool("deterministic", deterministic)
+    _require_bool("return_lse", return_lse)
+    if _require_bool("return_attn_probs", return_attn_probs):
+        raise NotImplementedError(
+            "return_attn_probs=True would materialise the seqlen_q x seqlen_k probability matrix, which "
+            "flashtile never builds; use flashtile.reference for inspection, or return_lse=True")
+    scale = _check_scale(softmax_scale, "softmax_scale", headdim)
+    left, right = _check_window(window_size, causal)
+    cap = _require_real("softcap", softcap)
+    if cap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
+    slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
+
+    problem = AttentionProblem(
+        batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        headdim=headdim, headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale,
+        window_left=left, window_right=right, diagonal_offset=seqlen_k - seqlen_q, softcap=cap,
+        has_alibi=slopes is not None, mask_kind=None)
+    bhsd = [unit_last_stride(t).transpose(1, 2) for t in (q, k, v)]
+    return PreparedCall(*bhsd, alibi_slopes=slopes, attn_mask=None, problem=problem)
+
+
+def _check_attn_mask(attn_mask: object, full_shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """Return the mask broadcast (as a stride-0 view where possible) to full_shape, or None."""
+    if attn_mask is None:
+        return None
+    mask = _require_tensor("attn_mask", attn_mask)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to scores), got {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"attn_mask is on {mask.device} but query is on {device}")
+    if mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("attn_mask requires grad, but flashtile does not compute gradients for attn_mask; "
+                         "pass attn_mask.detach()")
+    try:
+        return mask.expand(full_shape)
+    except RuntimeError:
+        raise ValueError(f"attn_mask has shape {tuple(mask.shape)}, which does not broadcast to "
+                         f"(..., L, S) = {full_shape}") from None
+
+
+def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple[PreparedCall, tuple[int, ...]]:
+    """Validate `scaled_dot_product_attention` arguments (torch layout, top-left alignment).
+
+    Returns the prepared call and the shape of the output, (..., L, Ev).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _require_tensor(name, t)
+    if query.dim() < 2:
+        raise ValueError(f"query must have rank >= 2 (..., L, E), got shape {tuple(query.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != query.dim():
+            raise ValueError(f"{name} has rank {t.dim()} but query has rank {query.dim()}; they must match")
+    _check_qkv_dtypes_devices(("query", "key", "value"), (query, key, value))
+    _require_bool("is_causal", is_causal)
+    _require_bool("enable_gqa", enable_gqa)
+    _check_dropout(dropout_p)
+
+    rank = query.dim()
+    out_shape = tuple(query.shape[:-1]) + (value.shape[-1],)
+    if rank == 2:  # (L, E): one head, no batch
+        query, key, value = (t.unsqueeze(0) for t in (query, key, value))
+    lead = tuple(query.shape[:-3])
+    seqlen_q, headdim = query.shape[-2:]
+    seqlen_k, headdim_k = key.shape[-2:]
+    seqlen_v, headdim_v = value.shape[-2:]
+    nheads, nheads_k, nheads_v = query.shape[-3], key.shape[-3], value.shape[-3]
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape[:-3]) != lead:
+            raise ValueError(f"{name} has leading dims {tuple(t.shape[:-3])} but query has {lead}; they must match")
+    if headdim_k != headdim:
+        raise ValueError(f"query has head dim E={headdim} but key has {headdim_k}; they must match")
+    if seqlen_v != seqlen_k:
+        raise ValueError(f"key has length S={seqlen_k} but value has {seqlen_v}; they must match")
+    if nheads_v != nheads_k:
+        raise ValueError(f"key has {nheads_k} heads but value has {nheads_v}; they must match")
+    if nheads != nheads_k and not enable_gqa:
+        raise ValueError(f"query has {nheads} heads but key has {nheads_k}; pass enable_gqa=True for grouped-query attention")
+    _check_headdims(headdim, headdim_v, "query", "value")
+    _check_heads(nheads, nheads_k, "query", "key")
+    softmax_scale = _check_scale(scale, "scale", headdim)
+
+    batch = math.prod(lead)
+    full_mask_shape = lead + (nheads, seqlen_q, seqlen_k)
+    mask = _check_attn_mask(attn_mask, full_mask_shape if rank > 2 else (seqlen_q, seqlen_k), query.device)
+    if mask is not None and is_causal:
+        raise ValueError("attn_mask and is_causal=True are mutually exclusive (as in torch); fold the causal mask into attn_mask")
+    if mask is not None:
+        mask = mask.expand(full_mask_shape).reshape(batch, nheads, seqlen_q, seqlen_k)
+
+    problem = AttentionProblem(
+        batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        headdim=headdim, headdim_v=headdim_v, dtype=query.dtype, device=query.device,
+        softmax_scale=softmax_scale, window_left=-1, window_right=0 if is_causal else -1,
+        diagonal_offset=0, softcap=0.0, has_alibi=False,
+        mask_kind=None if mask is None else ("bool" if mask.dtype == torch.bool else "additive"))
+    bhsd = [unit_last_stride(t).reshape(batch, *t.shape[-3:]) for t in (query, key, value)]
+    return PreparedCall(*bhsd, alibi_slopes=None, attn_mask=mask, problem=problem), out_shape

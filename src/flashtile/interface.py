@@ -1,0 +1,151 @@
+"""The public API: validate, dispatch, explain.
+
+Causal and window masks in `flash_attn_func` are aligned to the bottom-right corner of the score
+matrix, as in flash-attn >= 2.1: query i may attend key j iff
+
+    i + seqlen_k - seqlen_q - left  <=  j  <=  i + seqlen_k - seqlen_q + right
+
+(-1 = unbounded on that side; causal=True forces right = 0). For seqlen_q = 2, seqlen_k = 5,
+causal (1 = attend):
+
+    1 1 1 1 0        the last query row sees every key: queries are the newest tokens
+    1 1 1 1 1
+
+and for seqlen_q = 5, seqlen_k = 2, causal:
+
+    0 0              rows 0..2 see no key at all: they get out = 0 and lse = -inf
+    0 0
+    0 0
+    1 0
+    1 1
+
+`scaled_dot_product_attention` keeps torch's top-left alignment (query i sees keys j <= i).
+"""
+
+from __future__ import annotations
+
+from . import _dispatch
+from ._validate import PreparedCall, prepare_flash_attn, prepare_sdpa
+from .autograd import attention
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False):
+    """Exact attention in linear memory, with flash-attn's signature and layout.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); float16, bfloat16, float32 or float64.
+        k: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads % nheads_k == 0
+            (grouped-query / multi-query attention: query head h uses K/V head h // (nheads // nheads_k),
+            without copying K or V).
+        v: (batch, seqlen_k, nheads_k, headdim_v); headdim and headdim_v may differ, each 1..256.
+        dropout_p: must be 0.0 (dropout is not implemented; > 0 raises NotImplementedError).
+        softmax_scale: multiplier of q.k; None means 1 / sqrt(headdim).
+        causal: mask keys after the query's diagonal, bottom-right aligned (see the module docstring).
+        window_size: (left, right) sliding window around the diagonal; -1 = unbounded.
+        softcap: if > 0, scores become softcap * tanh(score / softcap) before masking and ALiBi.
+        alibi_slopes: (nheads,) or (batch, nheads) floating tensor; subtracts
+            slope * |i + seqlen_k - seqlen_q - j| from each score (after softcap). Not differentiated.
+        deterministic: accepted for compatibility; every flashtile backend is deterministic here.
+        return_attn_probs: must be False (True would materialise the probabilities; raises NotImplementedError).
+        return_lse: also return the log-sum-exp of each row's final scores.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) where
+        lse (batch, nheads, seqlen_q) is float32 (natural log). A row that sees no key (fully masked,
+        or seqlen_k == 0) gets out = 0, lse = -inf and zero gradients. Gradients flow to q, k, v (and
+        through lse when it is used).
+
+    Raises:
+        TypeError / ValueError naming the argument and the rule for any invalid input;
+        NotImplementedError for dropout_p > 0 or return_attn_probs=True;
+        BackendUnavailableError when the requested backend (use_backend / FLASHTILE_BACKEND) cannot serve the call.
+    """
+    call = prepare_flash_attn(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                              deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse)
+    out, lse = attention(call, _dispatch.plan(call.problem))
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """Drop-in for `torch.nn.functional.scaled_dot_product_attention`, computed by flashtile.
+
+    Args:
+        query: (..., Hq, L, E); key: (..., Hk, S, E); value: (..., Hk, S, Ev), same leading dims,
+            one floating dtype, one device. Hq == Hk unless enable_gqa=True (then Hq % Hk == 0).
+        attn_mask: optional, broadcastable to (..., Hq, L, S): bool (True = attend, as in torch) or
+            floating (added to the scores). Mutually exclusive with is_causal.
+        dropout_p: must be 0.0 (raises NotImplementedError otherwise).
+        is_causal: top-left aligned causal mask: query i attends keys j <= i.
+        scale: multiplier of q.k; None means 1 / sqrt(E).
+        enable_gqa: allow Hq to be a multiple of Hk.
+
+    Returns:
+        (..., Hq, L, Ev) in query's dtype. Unlike torch, a query row whose keys are all masked returns
+        zeros (torch returns NaN there on some backends).
+
+    Raises:
+        TypeError / ValueError for invalid inputs (naming the argument and the rule),
+        NotImplementedError for dropout_p > 0, BackendUnavailableError as for flash_attn_func.
+    """
+    call, out_shape = prepare_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    out, _ = attention(call, _dispatch.plan(call.problem))
+    return out.reshape(out_shape)
+
+
+class Explanation(str):
+    """A readable account of what a call would run (a str; print it)."""
+
+
+def explain(q, k, v, *, api="flash_attn_func", **kwargs) -> Explanation:
+    """Describe the backend, kernel and tiles a call with these arguments would run, and why.
+
+    Takes the same arguments as `flash_attn_func` (or, with api="scaled_dot_product_attention",
+    as that function). Computes nothing. If the call would raise, the description names the error
+    instead of raising it.
+    """
+    try:
+        if api == "flash_attn_func":
+            call: PreparedCall = prepare_flash_attn(q, k, v, **_flash_defaults(kwargs))
+        elif api == "scaled_dot_product_attention":
+            call, _ = prepare_sdpa(q, k, v, **_sdpa_defaults(kwargs))
+        else:
+            raise ValueError(f"api must be 'flash_attn_func' or 'scaled_dot_product_attention', got {api!r}")
+        chosen = _dispatch.plan(call.problem)
+    except (TypeError, ValueError, NotImplementedError, _dispatch.BackendUnavailableError) as error:
+        return Explanation(f"this call would raise {type(error).__name__}: {error}")
+    p = call.problem
+    lines = [
+        f"backend: {chosen.backend.name!r} — {chosen.backend.kernel}",
+        f"why: {chosen.reason}",
+        f"problem: batch {p.batch}, nheads {p.nheads} (nheads_k {p.nheads_k}), seqlen_q {p.seqlen_q}, "
+        f"seqlen_k {p.seqlen_k}, headdim {p.headdim}, headdim_v {p.headdim_v}, {str(p.dtype).replace('torch.', '')} "
+        f"on {p.device}",
+        f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()}",
+        f"tiles: {chosen.backend.describe_tiles(p, chosen.tiles)}",
+        f"arithmetic: {str(p.accumulation_dtype).replace('torch.', '')} accumulation; backward recomputes "
+        f"probabilities from the saved log-sum-exp (no seqlen_q x seqlen_k tensor is stored)",
+    ]
+    return Explanation("\n".join(lines))
+
+
+def _flash_defaults(kwargs: dict) -> dict:
+    defaults = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, return_lse=False)
+    return _merge("flash_attn_func", defaults, kwargs)
+
+
+def _sdpa_defaults(kwargs: dict) -> dict:
+    defaults = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+    return _merge("scaled_dot_product_attention", defaults, kwargs)
+
+
+def _merge(api: str, defaults: dict, kwargs: dict) -> dict:
+    unknown = sorted(set(kwargs) - set(defaults))
+    if unknown:
+        raise TypeError(f"{api} has no argument(s) {unknown}; it takes {sorted(defaults)}")
+    return {**defaults, **kwargs}

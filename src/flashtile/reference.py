@@ -1,0 +1,113 @@
+"""The float64 oracle: dense, materialised attention with every option flashtile supports.
+
+Deliberately the obvious algorithm and independent of the tiled code (it shares no helper with
+it): build the whole seqlen_q x seqlen_k score matrix in float64, apply softcap, ALiBi and masks,
+take the softmax, multiply by V. It is differentiable with ordinary autograd (and NaN-free for
+fully masked rows), so tests take gradients of it too. Use it for checking, never for speed: it
+needs O(seqlen_q * seqlen_k) memory per head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_reference", "flash_attn_reference", "sdpa_reference"]
+
+
+def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), diagonal_offset=0, softcap=0.0,
+                        alibi_slopes=None, attn_mask=None):
+    """Dense float64 attention in the (batch, nheads, seqlen, headdim) layout.
+
+    q (B, H, Sq, D), k (B, Hk, Sk, D), v (B, Hk, Sk, Dv) with H % Hk == 0 (query head h uses K/V
+    head h // (H // Hk)). Query i may attend key j iff (left < 0 or j >= i + diagonal_offset - left)
+    and (right < 0 or j <= i + diagonal_offset + right) with (left, right) = window_size.
+    Scores: softmax_scale * q.k, then softcap * tanh(score / softcap) when softcap > 0, then
+    - slope[b, h] * |i + diagonal_offset - j| for alibi_slopes (H,) or (B, H), then attn_mask
+    (bool, True = attend; or float, added), broadcastable to (B, H, Sq, Sk).
+
+    Returns (out (B, H, Sq, Dv), lse (B, H, Sq)), both float64; a row that sees no key gets
+    out = 0 and lse = -inf.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    batch, nheads, seqlen_q, headdim = q.shape
+    group = nheads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    seqlen_k = k.shape[2]
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
+
+    scores = scale * torch.einsum("bhid,bhjd->bhij", q, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(seqlen_q, device=q.device).view(-1, 1) + diagonal_offset
+    j = torch.arange(seqlen_k, device=q.device).view(1, -1)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.double().reshape(-1, nheads)  # (1 or B, H)
+        scores = scores - slopes[:, :, None, None] * (i - j).abs().double()
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    left, right = window_size
+    if left >= 0:
+        allowed = allowed & (j >= i - left)
+    if right >= 0:
+        allowed = allowed & (j <= i + right)
+    allowed = allowed.expand(batch, nheads, seqlen_q, seqlen_k)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = allowed & attn_mask
+        else:
+            scores = scores + attn_mask.double()
+            allowed = allowed & (attn_mask != float("-inf"))
+
+    # softmax written out so that fully masked rows give 0 (not NaN) in both passes
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    row_max = masked.amax(dim=-1, keepdim=True).detach()
+    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
+    weights = torch.exp(masked - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    has_keys = total > 0
+    probs = weights / torch.where(has_keys, total, torch.ones_like(total))
+    out = probs @ v
+    lse = torch.where(has_keys, row_max + torch.log(torch.where(has_keys, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    return out, lse.squeeze(-1)
+
+
+def flash_attn_reference(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None):
+    """Oracle for `flashtile.flash_attn_func`: flash-attn layout, bottom-right alignment.
+
+    q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]).
+    Returns (out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)), float64.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    out, lse = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   softmax_scale=softmax_scale, window_size=(left, right),
+                                   diagonal_offset=k.shape[1] - q.shape[1], softcap=softcap,
+                                   alibi_slopes=alibi_slopes)
+    return out.transpose(1, 2), lse
+
+
+def sdpa_reference(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """Oracle for `flashtile.scaled_dot_product_attention`: torch layout (..., heads, L, E), top-left causal.
+
+    Returns (out (..., heads, L, Ev), lse (..., heads, L)), float64.
+    """
+    lead = query.shape[:-3] if query.dim() > 2 else ()
+
+    def four_d(t):
+        return t.reshape(-1, *t.shape[-3:]) if t.dim() > 2 else t.reshape(1, 1, *t.shape)
+
+    mask = None
+    if attn_mask is not None:
+        full = tuple(query.shape[:-1]) + (key.shape[-2],)
+        mask = four_d(attn_mask.expand(full))
+    out, lse = attention_reference(four_d(query), four_d(key), four_d(value), softmax_scale=scale,
+                                   window_size=(-1, 0 if is_causal else -1), diagonal_offset=0,
+                                   attn_mask=mask)
+    if query.dim() == 2:
+        return out[0, 0], lse[0, 0]
+    return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])

@@ -1,0 +1,268 @@
+"""The tiled FlashAttention algorithm in pure PyTorch: the "torch" backend.
+
+Schedule (FA2 order): the outer loop walks blocks of query rows; for each, the inner loop streams
+key/value blocks and keeps an online softmax per row — running max m, running sum l of
+exp(s - m), and an unnormalised output o — rescaling l and o by the same factor exp(m_old - m_new)
+whenever a block raises the max. Normalisation happens once, after the last key block. The
+forward pass returns the output and the per-row log-sum-exp (lse = m + log l); the backward pass
+recomputes each score tile from q, k and lse (P = exp(S - lse)) instead of storing P, with
+delta = rowsum(dO * O) (minus the lse cotangent) supplying the softmax Jacobian's row term.
+
+Everything is vectorised over batch and heads. Grouped-query attention is handled without
+repeating K/V: the G = nheads // nheads_k query heads that share one K/V head are stacked as extra
+rows of the query tile, so one matmul serves them all. Key blocks outside the causal/window band
+are never touched; only blocks straddling a band edge pay for an element mask.
+
+Memory is O(N * d): the largest seqlen-by-seqlen object is one (rows x block_k) tile. Arithmetic
+is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs. The working copies of K and V are
+laid out (batch * nheads_k, seqlen_k, headdim) in the accumulation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._geometry import key_blocks, query_blocks
+from ._validate import AttentionProblem
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class TorchTiles:
+    """Tile shape of the torch backend: block_q query positions (times the GQA group) by block_k keys."""
+
+    block_q: int
+    block_k: int
+
+    def describe(self, problem: AttentionProblem) -> str:
+        rows = self.block_q * problem.group_size
+        return (f"block_q {self.block_q} x block_k {self.block_k} "
+                f"({rows} score rows per tile = {problem.group_size} query heads per K/V head x {self.block_q})")
+
+
+def default_tiles(problem: AttentionProblem) -> TorchTiles:
+    """Tiles sized so a (rows x block_k) fp32 score tile and its temporaries stay cache-resident.
+
+    Tuned on a 2-core x86 CPU (see BENCHMARKS.md): ~128 score rows per K/V head and 512 keys.
+    """
+    block_q = max(16, 128 // problem.group_size)
+    return TorchTiles(block_q=block_q, block_k=512)
+
+
+@dataclass
+class _Operands:
+    """Per-call working state shared by the forward and backward tile loops."""
+
+    problem: AttentionProblem
+    acc: torch.dtype
+    q: torch.Tensor  # (batch, nheads_k, group, seqlen_q, headdim) view of the caller's q
+    k: torch.Tensor  # (batch * nheads_k, seqlen_k, headdim), acc dtype, contiguous
+    k_t: torch.Tensor  # (batch * nheads_k, headdim, seqlen_k): K transposed, so score matmuls read unit-stride rows
+    v: torch.Tensor  # (batch * nheads_k, seqlen_k, headdim_v), acc dtype, contiguous
+    slopes: torch.Tensor | None  # (batch * nheads_k, group, 1, 1), acc dtype
+    mask: torch.Tensor | None  # (batch, nheads, seqlen_q, seqlen_k), possibly stride-0 broadcast
+
+    @property
+    def batch_heads(self) -> int:
+        return self.problem.batch * self.problem.nheads_k
+
+
+def _prepare(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem) -> _Operands:
+    acc = problem.accumulation_dtype
+    b, hk, g = problem.batch, problem.nheads_k, problem.group_size
+
+    def working(t: torch.Tensor) -> torch.Tensor:
+        return t.to(acc).reshape(b * hk, t.shape[2], t.shape[3]).contiguous()
+
+    k_work = working(k)
+
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(acc).expand(b, problem.nheads).reshape(b * hk, g, 1, 1)
+    q5 = q.view(b, hk, g, problem.seqlen_q, problem.headdim)
+    return _Operands(problem, acc, q5, k_work, k_work.transpose(1, 2).contiguous(), working(v), slopes, attn_mask)
+
+
+def _query_block(ops: _Operands, i0: int, i1: int, extra_column: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows (group, position) of query block [i0, i1), pre-multiplied by the softmax scale.
+
+    With extra_column (batch*nheads_k, rows, 1), it is appended as column headdim, so that a
+    product with a key matrix carrying a row of ones subtracts a per-row constant for free.
+    """
+    p = ops.problem
+    n, width = i1 - i0, p.headdim + (extra_column is not None)
+    block = torch.empty(p.batch, p.nheads_k, p.group_size, n, width, dtype=ops.acc, device=p.device)
+    block[..., :p.headdim] = ops.q[:, :, :, i0:i1]
+    block[..., :p.headdim].mul_(p.softmax_scale)
+    block = block.view(ops.batch_heads, p.group_size * n, width)
+    if extra_column is not None:
+        block[..., p.headdim:] = extra_column
+    return block
+
+
+def _append_ones_row(t: torch.Tensor) -> torch.Tensor:
+    """(BH, X, S) -> (BH, X + 1, S) with a last row of ones (pairs with `_query_block`'s extra column)."""
+    return torch.cat([t, torch.ones_like(t[:, :1])], dim=1)
+
+
+def _rows_to_block(ops: _Operands, rows: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
+    """(batch*nheads_k, group*n, X) -> (batch, n, nheads, X): the flash-attn layout of a block."""
+    p = ops.problem
+    x = rows.view(p.batch, p.nheads_k, p.group_size, i1 - i0, -1)
+    return x.permute(0, 3, 1, 2, 4).reshape(p.batch, i1 - i0, p.nheads, x.shape[-1])
+
+
+def _score_tile(ops: _Operands, q_block: torch.Tensor, k_t: torch.Tensor, i0: int, i1: int, j0: int, j1: int,
+                needs_band_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Final scores of rows [i0, i1) against keys [j0, j1): (batch*nheads_k, group*n, m).
+
+    k_t is K transposed (batch*nheads_k, headdim, seqlen_k), or with `_append_ones_row` when
+    q_block carries an extra column (then each row's scores are shifted by that column).
+    Also returns tanh(raw / softcap) when softcap is on (the backward pass needs its derivative).
+    Masked entries are -inf.
+    """
+    p = ops.problem
+    n, m = i1 - i0, j1 - j0
+    scores = torch.bmm(q_block, k_t[:, :, j0:j1])
+    tanh = None
+    if p.softcap > 0:
+        tanh = scores.div_(p.softcap).tanh_()
+        scores = tanh * p.softcap
+    if ops.slopes is None and ops.mask is None and not needs_band_mask:
+        return scores, tanh
+    grouped = scores.view(ops.batch_heads, p.group_size, n, m)
+    rows = torch.arange(i0, i1, device=p.device).unsqueeze(1) + p.diagonal_offset  # aligned key index
+    cols = torch.arange(j0, j1, device=p.device).unsqueeze(0)
+    if ops.slopes is not None:
+        distance = (rows - cols).abs().to(ops.acc)
+        grouped.addcmul_(ops.slopes, distance, value=-1.0)
+    if needs_band_mask:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=p.device)
+        if p.window_left >= 0:
+            allowed &= cols >= rows - p.window_left
+        if p.window_right >= 0:
+            allowed &= cols <= rows + p.window_right
+        grouped.masked_fill_(~allowed, NEG_INF)
+    if ops.mask is not None:
+        tile = ops.mask[:, :, i0:i1, j0:j1].reshape(ops.batch_heads, p.group_size, n, m)
+        if tile.dtype == torch.bool:
+            grouped.masked_fill_(~tile, NEG_INF)
+        else:
+            grouped.add_(tile.to(ops.acc))
+    return scores, tanh
+
+
+def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem,
+                      tiles: TorchTiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled forward pass.
+
+    q (batch, nheads, seqlen_q, headdim), k (batch, nheads_k, seqlen_k, headdim),
+    v (batch, nheads_k, seqlen_k, headdim_v), any strides; alibi_slopes (batch or 1, nheads) or None;
+    attn_mask broadcast to (batch, nheads, seqlen_q, seqlen_k) or None.
+    Returns out (batch, nheads, seqlen_q, headdim_v) in q's dtype (a view of a contiguous
+    (batch, seqlen_q, nheads, headdim_v) buffer) and lse (batch, nheads, seqlen_q) in the
+    accumulation dtype: -inf, with out = 0, for rows that see no key.
+    """
+    p = problem
+    ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
+    out = torch.empty(p.batch, p.seqlen_q, p.nheads, p.headdim_v, dtype=p.dtype, device=p.device)
+    lse = torch.empty(p.batch, p.seqlen_q, p.nheads, dtype=ops.acc, device=p.device)
+    for i0 in range(0, p.seqlen_q, tiles.block_q):
+        i1 = min(i0 + tiles.block_q, p.seqlen_q)
+        rows = p.group_size * (i1 - i0)
+        q_block = _query_block(ops, i0, i1)
+        row_max = torch.full((ops.batch_heads, rows), NEG_INF, dtype=ops.acc, device=p.device)
+        row_sum = torch.zeros(ops.batch_heads, rows, dtype=ops.acc, device=p.device)
+        acc = torch.zeros(ops.batch_heads, rows, p.headdim_v, dtype=ops.acc, device=p.device)
+        for j0, j1, needs_mask in key_blocks(p, i0, i1, tiles.block_k):
+            scores, _ = _score_tile(ops, q_block, ops.k_t, i0, i1, j0, j1, needs_mask)
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))
+            # a row that has seen only masked keys keeps max -inf; shift it by 0 so exp gives 0, not NaN
+            shift = new_max.masked_fill(new_max == NEG_INF, 0.0)
+            probs = scores.sub_(shift.unsqueeze(-1)).exp_()
+            # rescale what was accumulated against the old max (factor 0 on the first visible block)
+            correction = (row_max - shift).exp_()
+            row_sum.mul_(correction).add_(probs.sum(dim=-1))
+            acc.mul_(correction.unsqueeze(-1)).baddbmm_(probs, ops.v[:, j0:j1])
+            row_max = new_max
+        seen = row_sum > 0
+        acc.div_(torch.where(seen, row_sum, 1.0).unsqueeze(-1))
+        out[:, i0:i1] = _rows_to_block(ops, acc, i0, i1)
+        block_lse = torch.where(seen, row_max + torch.log(row_sum), NEG_INF)
+        lse[:, i0:i1] = _rows_to_block(ops, block_lse.unsqueeze(-1), i0, i1).squeeze(-1)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask,
+                       problem: AttentionProblem, tiles: TorchTiles):
+    """Recompute-based backward pass: returns (dq, dk, dv) shaped like q, k, v (BHSD) in their dtype.
+
+    grad_out is shaped like out, grad_lse like lse (either may have any strides, stride 0 included).
+    Schedule (FA2 backward): the outer loop walks key blocks, accumulating dK and dV for the block
+    locally; the inner loop visits the query blocks that can see it, recomputing P = exp(S - lse)
+    and dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse (since d lse / d s = P), and
+    accumulating dQ per query block.
+    """
+    p = problem
+    ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
+    b, hk, g = p.batch, p.nheads_k, p.group_size
+    # Rows that saw no key have lse = -inf; every score of theirs is masked to -inf, so any finite
+    # stand-in gives exp(-inf) = 0 there (never inf - inf = NaN).
+    lse_finite = lse.masked_fill(lse == NEG_INF, 0.0).to(ops.acc)
+    delta = (grad_out.to(ops.acc) * out.to(ops.acc)).sum(dim=-1) - grad_lse.to(ops.acc)
+    grad_out5 = grad_out.view(b, hk, g, p.seqlen_q, p.headdim_v)
+    # The per-row constants (-lse for S, -delta for dP) ride along the matmuls as an extra column
+    # of Q / dO against a row of ones in K^T / V^T, saving one pass over every tile. Softcap
+    # applies tanh before the lse shift, so there the shift stays a separate step.
+    fold_lse = p.softcap == 0
+    k_t = _append_ones_row(ops.k_t) if fold_lse else ops.k_t
+    v_t = _append_ones_row(ops.v.transpose(1, 2))
+
+    def block_rows(t: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
+        """(batch, nheads, seqlen_q) statistics of block [i0, i1) as (batch*nheads_k, rows, 1)."""
+        return t.view(b, hk, g, p.seqlen_q)[..., i0:i1].reshape(ops.batch_heads, g * (i1 - i0), 1)
+
+    # per query block, built once: Q (scaled) and dO, each plain and with its extra column
+    q_blocks, q_aug_blocks, do_blocks, do_aug_blocks, neg_lse_blocks, dq_blocks = [], [], [], [], [], []
+    for i0 in range(0, p.seqlen_q, tiles.block_q):
+        i1 = min(i0 + tiles.block_q, p.seqlen_q)
+        neg_lse = -block_rows(lse_finite, i0, i1)
+        q_aug_blocks.append(_query_block(ops, i0, i1, extra_column=neg_lse if fold_lse else None))
+        q_blocks.append(q_aug_blocks[-1][..., :p.headdim].contiguous())
+        do_aug = torch.empty(ops.batch_heads, g * (i1 - i0), p.headdim_v + 1, dtype=ops.acc, device=p.device)
+        do_aug.view(b, hk, g, i1 - i0, -1)[..., :p.headdim_v] = grad_out5[:, :, :, i0:i1]
+        do_aug[..., p.headdim_v:] = -block_rows(delta, i0, i1)
+        do_aug_blocks.append(do_aug)
+        do_blocks.append(do_aug[..., :p.headdim_v].contiguous())
+        neg_lse_blocks.append(neg_lse)
+        dq_blocks.append(torch.zeros(ops.batch_heads, g * (i1 - i0), p.headdim, dtype=ops.acc, device=p.device))
+
+    dk = torch.empty(b, p.seqlen_k, hk, p.headdim, dtype=p.dtype, device=p.device)
+    dv = torch.empty(b, p.seqlen_k, hk, p.headdim_v, dtype=p.dtype, device=p.device)
+    for j0 in range(0, p.seqlen_k, tiles.block_k):
+        j1 = min(j0 + tiles.block_k, p.seqlen_k)
+        dk_block = torch.zeros(ops.batch_heads, j1 - j0, p.headdim, dtype=ops.acc, device=p.device)
+        dv_block = torch.zeros(ops.batch_heads, j1 - j0, p.headdim_v, dtype=ops.acc, device=p.device)
+        for index, i0, i1, needs_mask in query_blocks(p, j0, j1, tiles.block_q):
+            scores, tanh = _score_tile(ops, q_aug_blocks[index], k_t, i0, i1, j0, j1, needs_mask)
+            if not fold_lse:
+                scores.add_(neg_lse_blocks[index])
+            probs = scores.exp_()
+            dv_block.baddbmm_(probs.transpose(1, 2), do_blocks[index])
+            grad_scores = torch.bmm(do_aug_blocks[index], v_t[:, :, j0:j1]).mul_(probs)  # P * (dP - delta)
+            if tanh is not None:  # d(c * tanh(x / c)) / dx = 1 - tanh^2
+                grad_scores.mul_(1.0 - tanh * tanh)
+            dq_blocks[index].baddbmm_(grad_scores, ops.k[:, j0:j1])
+            # the Q rows already carry the softmax scale, so dK needs no further factor
+            dk_block.baddbmm_(grad_scores.transpose(1, 2), q_blocks[index])
+        dk[:, j0:j1] = dk_block.view(b, hk, j1 - j0, p.headdim).transpose(1, 2)
+        dv[:, j0:j1] = dv_block.view(b, hk, j1 - j0, p.headdim_v).transpose(1, 2)
+
+    dq = torch.empty(b, p.seqlen_q, p.nheads, p.headdim, dtype=p.dtype, device=p.device)
+    for index, i0 in enumerate(range(0, p.seqlen_q, tiles.block_q)):
+        i1 = min(i0 + tiles.block_q, p.seqlen_q)
+        dq[:, i0:i1] = _rows_to_block(ops, dq_blocks[index].mul_(p.softmax_scale), i0, i1)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
