@@ -1,0 +1,111 @@
+"""Command line: `python -m flashtile demo` (and the `flashtile` console script)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from . import _dispatch
+from ._measure import executed_kernels, median_time_ms, peak_memory_growth_bytes
+from ._validate import prepare_flash_attn
+from .interface import flash_attn_func
+from .reference import flash_attn_reference
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _naive_attention(q, k, v, causal):
+    """Textbook attention in the input dtype, materialising the (seqlen_q x seqlen_k) scores."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        n_q, n_k = scores.shape[-2:]
+        future = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(n_k - n_q + 1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).transpose(1, 2)
+
+
+def _sdpa(q, k, v, causal):
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+
+
+def _oracle(q, k, v, causal):
+    """float64 reference computed one (batch, head) at a time to bound its memory."""
+    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=torch.float64, device=q.device)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
+            sl = (slice(b, b + 1), slice(None), slice(h, h + 1))
+            out[sl] = flash_attn_reference(q[sl], k[sl], v[sl], causal=causal)[0]
+    return out
+
+
+def demo(args: argparse.Namespace) -> int:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    torch.manual_seed(args.seed)
+    shape_q = (args.batch, args.seqlen, args.heads, args.headdim)
+    q, k, v = (torch.randn(shape_q, device=device, dtype=dtype) for _ in range(3))
+    call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=args.causal, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              return_lse=False)
+    plan = _dispatch.plan(call.problem)
+    print(f"flashtile demo: batch {args.batch}, heads {args.heads}, seqlen {args.seqlen}, headdim {args.headdim}, "
+          f"{str(dtype).replace('torch.', '')}, causal={args.causal}, device {device}"
+          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, torch {torch.__version__}")
+    print(f"flashtile backend: {plan.backend.name!r} ({plan.reason}); tiles: {plan.backend.describe_tiles(call.problem, plan.tiles)}")
+    print("computing the float64 oracle ...", flush=True)
+    ref = _oracle(q, k, v, args.causal)
+
+    candidates = [
+        (f"flashtile[{plan.backend.name}]", lambda: flash_attn_func(q, k, v, causal=args.causal)),
+        ("torch SDPA", lambda: _sdpa(q, k, v, args.causal)),
+        ("naive (materialised)", lambda: _naive_attention(q, k, v, args.causal)),
+    ]
+    header = f"{'implementation':<22} {'max |err|':>10} {'rel err':>9} {'time ms':>9} {'peak MiB':>9}  ran"
+    print(header)
+    print("-" * len(header))
+    with torch.no_grad():
+        for name, fn in candidates:
+            out = fn().double()
+            max_err = (out - ref).abs().max().item()
+            rel_err = ((out - ref).norm() / ref.norm()).item()
+            ms = median_time_ms(fn, device, repeats=args.repeats)
+            peak = peak_memory_growth_bytes(fn, device)
+            ran = ", ".join(executed_kernels(fn, device, limit=2))
+            peak_text = f"{peak / 2**20:9.1f}" if peak is not None else f"{'n/a':>9}"
+            print(f"{name:<22} {max_err:10.2e} {rel_err:9.2e} {ms:9.1f} {peak_text}  {ran}", flush=True)
+    print("errors are against float64 attention on the same inputs; time is the median of "
+          f"{args.repeats} runs after a warm-up; peak is memory growth during one call")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashtile", description="Exact FlashAttention in Python.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="compute attention at a realistic shape, check it against float64, "
+                                     "and compare time and memory with torch SDPA and naive attention")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default=None, choices=tuple(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
