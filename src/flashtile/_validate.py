@@ -47,6 +47,7 @@ class AttentionProblem:
     window_left: int
     window_right: int
     diagonal_offset: int
+    alignment: str  # "bottom-right" (flash-attn) or "top-left" (torch SDPA); fixes diagonal_offset
     softcap: float
     has_alibi: bool
     mask_kind: str | None  # None, "bool" (True = attend) or "additive"
@@ -69,9 +70,8 @@ class AttentionProblem:
         if not self.is_banded:
             band = "no causal/window mask"
         else:
-            align = "bottom-right" if self.diagonal_offset == self.seqlen_k - self.seqlen_q else "top-left"
             kind = "causal" if self.window_right == 0 and self.window_left < 0 else "window"
-            band = f"{kind} (window_size=({self.window_left}, {self.window_right}), {align} aligned, diagonal offset {self.diagonal_offset})"
+            band = f"{kind} (window_size=({self.window_left}, {self.window_right}), {self.alignment} aligned, diagonal offset {self.diagonal_offset})"
         parts = [band, f"softcap {self.softcap:g}" if self.softcap > 0 else "no softcap",
                  "ALiBi" if self.has_alibi else "no ALiBi"]
         if self.mask_kind is not None:
@@ -241,7 +241,7 @@ def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size
     problem = AttentionProblem(
         batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         headdim=headdim, headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale,
-        window_left=left, window_right=right, diagonal_offset=seqlen_k - seqlen_q, softcap=cap,
+        window_left=left, window_right=right, diagonal_offset=seqlen_k - seqlen_q, alignment="bottom-right", softcap=cap,
         has_alibi=slopes is not None, mask_kind=None)
     bhsd = [unit_last_stride(t).transpose(1, 2) for t in (q, k, v)]
     return PreparedCall(*bhsd, alibi_slopes=slopes, attn_mask=None, problem=problem)
@@ -319,7 +319,7 @@ def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
         batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         headdim=headdim, headdim_v=headdim_v, dtype=query.dtype, device=query.device,
         softmax_scale=softmax_scale, window_left=-1, window_right=0 if is_causal else -1,
-        diagonal_offset=0, softcap=0.0, has_alibi=False,
+        diagonal_offset=0, alignment="top-left", softcap=0.0, has_alibi=False,
         mask_kind=None if mask is None else ("bool" if mask.dtype == torch.bool else "additive"))
     bhsd = [unit_last_stride(t).reshape(batch, *t.shape[-3:]) for t in (query, key, value)]
     return PreparedCall(*bhsd, alibi_slopes=None, attn_mask=mask, problem=problem), out_shape

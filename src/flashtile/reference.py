@@ -17,7 +17,7 @@ __all__ = ["attention_reference", "flash_attn_reference", "sdpa_reference"]
 
 
 def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), diagonal_offset=0, softcap=0.0,
-                        alibi_slopes=None, attn_mask=None):
+                        alibi_slopes=None, attn_mask=None, dtype=torch.float64):
     """Dense float64 attention in the (batch, nheads, seqlen, headdim) layout.
 
     q (B, H, Sq, D), k (B, Hk, Sk, D), v (B, Hk, Sk, Dv) with H % Hk == 0 (query head h uses K/V
@@ -27,10 +27,11 @@ def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), di
     - slope[b, h] * |i + diagonal_offset - j| for alibi_slopes (H,) or (B, H), then attn_mask
     (bool, True = attend; or float, added), broadcastable to (B, H, Sq, Sk).
 
-    Returns (out (B, H, Sq, Dv), lse (B, H, Sq)), both float64; a row that sees no key gets
-    out = 0 and lse = -inf.
+    Returns (out (B, H, Sq, Dv), lse (B, H, Sq)), both in `dtype` (float64: the oracle; the input
+    dtype gives the "same-dtype eager" baseline of the low-precision test rule). A row that sees no
+    key gets out = 0 and lse = -inf.
     """
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     batch, nheads, seqlen_q, headdim = q.shape
     group = nheads // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -44,8 +45,8 @@ def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), di
     i = torch.arange(seqlen_q, device=q.device).view(-1, 1) + diagonal_offset
     j = torch.arange(seqlen_k, device=q.device).view(1, -1)
     if alibi_slopes is not None:
-        slopes = alibi_slopes.double().reshape(-1, nheads)  # (1 or B, H)
-        scores = scores - slopes[:, :, None, None] * (i - j).abs().double()
+        slopes = alibi_slopes.to(dtype).reshape(-1, nheads)  # (1 or B, H)
+        scores = scores - slopes[:, :, None, None] * (i - j).abs().to(dtype)
     allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
     left, right = window_size
     if left >= 0:
@@ -57,7 +58,7 @@ def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), di
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask
         else:
-            scores = scores + attn_mask.double()
+            scores = scores + attn_mask.to(dtype)
             allowed = allowed & (attn_mask != float("-inf"))
 
     # softmax written out so that fully masked rows give 0 (not NaN) in both passes
@@ -75,11 +76,11 @@ def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), di
 
 
 def flash_attn_reference(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                         alibi_slopes=None):
+                         alibi_slopes=None, dtype=torch.float64):
     """Oracle for `flashtile.flash_attn_func`: flash-attn layout, bottom-right alignment.
 
     q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]).
-    Returns (out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)), float64.
+    Returns (out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) in `dtype`.
     """
     left, right = window_size
     if causal:
@@ -87,14 +88,16 @@ def flash_attn_reference(q, k, v, softmax_scale=None, causal=False, window_size=
     out, lse = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                    softmax_scale=softmax_scale, window_size=(left, right),
                                    diagonal_offset=k.shape[1] - q.shape[1], softcap=softcap,
-                                   alibi_slopes=alibi_slopes)
+                                   alibi_slopes=alibi_slopes, dtype=dtype)
     return out.transpose(1, 2), lse
 
 
-def sdpa_reference(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def sdpa_reference(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                   dtype=torch.float64):
     """Oracle for `flashtile.scaled_dot_product_attention`: torch layout (..., heads, L, E), top-left causal.
 
-    Returns (out (..., heads, L, Ev), lse (..., heads, L)), float64.
+    Returns (out (..., heads, L, Ev), lse (..., heads, L)) in `dtype`. (enable_gqa is implied by
+    the head counts and accepted for signature parity.)
     """
     lead = query.shape[:-3] if query.dim() > 2 else ()
 
@@ -107,7 +110,7 @@ def sdpa_reference(query, key, value, attn_mask=None, is_causal=False, scale=Non
         mask = four_d(attn_mask.expand(full))
     out, lse = attention_reference(four_d(query), four_d(key), four_d(value), softmax_scale=scale,
                                    window_size=(-1, 0 if is_causal else -1), diagonal_offset=0,
-                                   attn_mask=mask)
+                                   attn_mask=mask, dtype=dtype)
     if query.dim() == 2:
         return out[0, 0], lse[0, 0]
     return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])

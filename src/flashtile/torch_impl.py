@@ -111,7 +111,7 @@ def _append_ones_row(t: torch.Tensor) -> torch.Tensor:
 def _rows_to_block(ops: _Operands, rows: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
     """(batch*nheads_k, group*n, X) -> (batch, n, nheads, X): the flash-attn layout of a block."""
     p = ops.problem
-    x = rows.view(p.batch, p.nheads_k, p.group_size, i1 - i0, -1)
+    x = rows.view(p.batch, p.nheads_k, p.group_size, i1 - i0, rows.shape[-1])
     return x.permute(0, 3, 1, 2, 4).reshape(p.batch, i1 - i0, p.nheads, x.shape[-1])
 
 
@@ -233,7 +233,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
         q_aug_blocks.append(_query_block(ops, i0, i1, extra_column=neg_lse if fold_lse else None))
         q_blocks.append(q_aug_blocks[-1][..., :p.headdim].contiguous())
         do_aug = torch.empty(ops.batch_heads, g * (i1 - i0), p.headdim_v + 1, dtype=ops.acc, device=p.device)
-        do_aug.view(b, hk, g, i1 - i0, -1)[..., :p.headdim_v] = grad_out5[:, :, :, i0:i1]
+        do_aug.view(b, hk, g, i1 - i0, p.headdim_v + 1)[..., :p.headdim_v] = grad_out5[:, :, :, i0:i1]
         do_aug[..., p.headdim_v:] = -block_rows(delta, i0, i1)
         do_aug_blocks.append(do_aug)
         do_blocks.append(do_aug[..., :p.headdim_v].contiguous())

@@ -1,0 +1,83 @@
+"""Shared fixtures and oracle helpers.
+
+The oracle is `flashtile.reference` in float64. Low-precision results follow the rule used by
+flash-attn and FlexAttention: the error of flashtile against float64 must be at most twice the
+error of the same dense formula evaluated eagerly in the input dtype, plus a rounding floor.
+Every check draws fresh random inputs; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+# Tests pick backends explicitly; a developer's FLASHTILE_BACKEND must not leak into them.
+os.environ.pop("FLASHTILE_BACKEND", None)
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test, seeded into torch and reported in failure messages."""
+    value = random.SystemRandom().randrange(2**31)
+    torch.manual_seed(value)
+    return value
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v, dtype, requires_grad=False,
+               scale=1.0):
+    """Random q, k, v in flash-attn layout (batch, seqlen, heads, dim)."""
+    def make(*shape):
+        return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype).requires_grad_(requires_grad)
+
+    return (make(batch, seqlen_q, nheads, headdim), make(batch, seqlen_k, nheads_k, headdim),
+            make(batch, seqlen_k, nheads_k, headdim_v))
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple[int, ...]]:
+    """Largest |actual - expected| and where; positions where both are -inf count as equal."""
+    a, e = actual.double(), expected.double()
+    both_neg_inf = (a == float("-inf")) & (e == float("-inf"))
+    diff = (a - e).abs().masked_fill(both_neg_inf, 0.0)
+    if diff.numel() == 0:
+        return 0.0, ()
+    flat = int(diff.reshape(-1).nan_to_num(nan=float("inf")).argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    value = diff.reshape(-1)[flat].item()
+    return (float("inf") if value != value else value), index
+
+
+def rounding_floor(dtype: torch.dtype, expected: torch.Tensor) -> float:
+    """A few units in the last place of the largest finite expected value.
+
+    fp16/bf16 results are computed in fp32 and rounded once, so 2 ulp suffice there; for fp32 the
+    kernel and the eager baseline round at the same precision in different orders, so their errors
+    are comparable random walks and the floor allows for reductions over a few hundred terms.
+    """
+    finite = expected[expected.isfinite()]
+    magnitude = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    ulps = 32 if dtype == torch.float32 else 2
+    return ulps * torch.finfo(dtype).eps * magnitude
+
+
+def assert_close_to_oracle(what: str, actual, oracle, eager, dtype, seed, floor=None):
+    """flashtile's error vs float64 <= 2 x the same-dtype eager error + a rounding floor."""
+    assert actual.shape == oracle.shape, f"{what}: shape {tuple(actual.shape)} != oracle {tuple(oracle.shape)}"
+    assert not actual.isnan().any(), f"{what}: NaN in flashtile's result (seed {seed})"
+    error, where = max_abs_error(actual, oracle)
+    eager_error, _ = max_abs_error(eager, oracle)
+    floor = rounding_floor(dtype, oracle) if floor is None else floor
+    bound = 2 * eager_error + floor
+    assert error <= bound, (f"{what}: max error {error:.3e} at {where} exceeds 2 x eager {eager_error:.3e} + "
+                            f"floor {floor:.1e} ({dtype}, seed {seed})")
+
+
+def assert_exact_to_oracle(what: str, actual, oracle, seed, tol=1e-10):
+    """For float64 inputs: flashtile must agree with the oracle to near machine precision."""
+    assert actual.shape == oracle.shape, f"{what}: shape {tuple(actual.shape)} != oracle {tuple(oracle.shape)}"
+    error, where = max_abs_error(actual, oracle)
+    assert error <= tol, f"{what}: max error {error:.3e} at {where} exceeds {tol:.0e} (float64, seed {seed})"

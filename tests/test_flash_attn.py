@@ -1,0 +1,184 @@
+"""flash_attn_func on the torch backend against the float64 oracle: every option, forward and backward.
+
+Shapes are ragged (lengths and tile sizes that divide nothing), cover seqlen_q <, =, > seqlen_k,
+MHA / GQA / MQA and dv != d. Tile sizes are forced so that every case crosses several tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.reference import flash_attn_reference
+
+from conftest import LOW_PRECISION, assert_close_to_oracle, assert_exact_to_oracle, random_qkv
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v)
+SHAPES = {
+    "mha-square": (2, 113, 113, 4, 4, 16, 16),
+    "gqa-short-q-dv": (1, 37, 113, 4, 2, 24, 40),
+    "mqa-long-q": (2, 113, 37, 3, 1, 40, 8),
+    "decode-d72": (1, 1, 70, 2, 1, 72, 72),
+    "d1": (1, 7, 9, 1, 1, 1, 3),
+}
+
+
+def _slopes(shape, per_batch):
+    batch, _, _, nheads = shape[:4]
+    return torch.rand(batch, nheads) if per_batch else torch.rand(nheads)
+
+
+SCENARIOS = {
+    "plain": lambda shape: {},
+    "causal": lambda shape: {"causal": True},
+    "window": lambda shape: {"window_size": (5, 3)},
+    "window-left-only": lambda shape: {"window_size": (9, -1)},
+    "window-right-only": lambda shape: {"window_size": (-1, 4)},
+    "causal-window": lambda shape: {"causal": True, "window_size": (6, -1)},
+    "softcap": lambda shape: {"softcap": 2.5, "softmax_scale": 1.0},
+    "alibi": lambda shape: {"alibi_slopes": _slopes(shape, per_batch=False)},
+    "alibi-per-batch": lambda shape: {"alibi_slopes": _slopes(shape, per_batch=True), "causal": True},
+    "everything": lambda shape: {"causal": True, "window_size": (12, -1), "softcap": 5.0, "softmax_scale": 0.3,
+                                 "alibi_slopes": _slopes(shape, per_batch=True)},
+}
+
+TILES = {"7x13": (7, 13), "16x32": (16, 32), "default": None}
+
+
+def _run(q, k, v, kwargs, tiles):
+    if tiles is None:
+        with flashtile.use_backend("torch"):
+            return flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    with flashtile.use_backend("torch", block_q=tiles[0], block_k=tiles[1]):
+        return flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+
+
+def _grads(out, lse, inputs, grad_out, grad_lse):
+    """Gradients of <out, grad_out> + <lse, grad_lse> over rows that see keys."""
+    lse = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
+    loss = (out.double() * grad_out).sum() + (lse.double() * grad_lse).sum()
+    return torch.autograd.grad(loss, inputs)
+
+
+@pytest.mark.parametrize("tiles", TILES.values(), ids=TILES.keys())
+@pytest.mark.parametrize("scenario", SCENARIOS.keys())
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_float64_is_exact(shape, scenario, tiles, seed):
+    """In float64 the tiled algorithm must reproduce dense attention to rounding, gradients included."""
+    kwargs = SCENARIOS[scenario](shape)
+    if "alibi_slopes" in kwargs:
+        kwargs["alibi_slopes"] = kwargs["alibi_slopes"].double()
+    q, k, v = random_qkv(*shape, torch.float64, requires_grad=True)
+    out, lse = _run(q, k, v, kwargs, tiles)
+    ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float32
+    assert_exact_to_oracle("out", out, ref_out, seed)
+    assert_exact_to_oracle("lse", lse, ref_lse, seed, tol=1e-5)  # lse is returned in float32
+    grad_out = torch.randn_like(ref_out)
+    got = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
+    want = torch.autograd.grad((ref_out * grad_out).sum(), (q, k, v))
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_exact_to_oracle(name, g, w, seed)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32,) + LOW_PRECISION, ids=("fp32", "fp16", "bf16"))
+@pytest.mark.parametrize("scenario", SCENARIOS.keys())
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_low_precision_follows_the_eager_rule(shape, scenario, dtype, seed):
+    """fp32/fp16/bf16: forward, lse and gradients (through out and lse) within 2x eager error + floor."""
+    kwargs = SCENARIOS[scenario](shape)
+    q, k, v = random_qkv(*shape, dtype, requires_grad=True)
+    out, lse = _run(q, k, v, kwargs, (7, 13))
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
+    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype, **kwargs)
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.float32 if dtype == torch.float32 else dtype, seed)
+
+    grad_out, grad_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
+    got = _grads(out, lse, (q, k, v), grad_out, grad_lse)
+    want = _grads(ref_out, ref_lse, (q, k, v), grad_out, grad_lse)
+    eager = _grads(eager_out, eager_lse, (q, k, v), grad_out, grad_lse)
+    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
+        assert g.dtype == dtype, f"{name} has dtype {g.dtype}, expected {dtype}"
+        assert_close_to_oracle(name, g, w, e, dtype, seed)
+
+
+def test_gradient_through_lse_float64(seed):
+    """d lse / d s = P: a loss on lse alone must give the oracle's gradients (to float32 rounding of lse)."""
+    q, k, v = random_qkv(2, 29, 41, 4, 2, 16, 8, torch.float64, requires_grad=True)
+    with flashtile.use_backend("torch", block_q=8, block_k=16):
+        _, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    _, ref_lse = flash_attn_reference(q, k, v, causal=True)
+    grad_lse = torch.randn_like(ref_lse)
+    got = torch.autograd.grad((lse.double() * grad_lse).sum(), (q, k, v), allow_unused=True)
+    want = torch.autograd.grad((ref_lse * grad_lse).sum(), (q, k, v), allow_unused=True)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        w = torch.zeros_like(g) if w is None else w  # lse does not depend on v
+        assert_exact_to_oracle(name, g, w, seed, tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=("fp32", "fp16"))
+def test_late_maximum_in_last_tile(dtype, seed):
+    """The largest score arrives in the last key tile: the rescale of earlier tiles must happen."""
+    seqlen_k, block_k = 50, 8
+    q = torch.ones(1, 3, 1, 4, dtype=dtype)
+    k = (0.1 * torch.randn(1, seqlen_k, 1, 4)).to(dtype)
+    k[0, -1, 0] = 5.0  # only the final tile (keys 48..49) holds the maximum
+    v = torch.randn(1, seqlen_k, 1, 6).to(dtype)
+    with flashtile.use_backend("torch", block_q=2, block_k=block_k):
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True)
+    ref_out, ref_lse = flash_attn_reference(q, k, v)
+    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype)
+    # most of the weight sits on the last key: a missing rescale would be off by a lot, not by rounding
+    assert (ref_out - v[0, -1].double()).abs().max() < 0.2
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=("fp32", "fp64"))
+def test_huge_scores_do_not_overflow(dtype, seed):
+    """|s| ~ 1e3 is far beyond exp's range; the running max keeps everything finite and exact."""
+    q, k, v = random_qkv(1, 40, 70, 2, 2, 16, 16, dtype, requires_grad=True, scale=16.0)
+    with flashtile.use_backend("torch", block_q=16, block_k=16):
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, softmax_scale=1.0)
+    ref_out, ref_lse = flash_attn_reference(q, k, v, softmax_scale=1.0)
+    assert ref_lse.abs().max() > 500, "the test needs huge scores"
+    assert out.isfinite().all() and lse.isfinite().all()
+    eager_out, eager_lse = flash_attn_reference(q, k, v, softmax_scale=1.0, dtype=dtype)
+    tol_floor = 1e-9 if dtype == torch.float64 else None
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed, floor=tol_floor)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse.float(), torch.float32, seed)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(g.isfinite().all() for g in (dq, dk, dv))
+
+
+def test_keys_are_permutation_invariant(seed):
+    """Without causal/window/ALiBi, permuting key-value pairs jointly must not move the result."""
+    q, k, v = random_qkv(2, 33, 96, 4, 2, 16, 24, torch.float32)
+    perm = torch.randperm(96)
+    with flashtile.use_backend("torch", block_q=7, block_k=13):
+        out1, lse1 = flashtile.flash_attn_func(q, k, v, return_lse=True, softcap=4.0)
+        out2, lse2 = flashtile.flash_attn_func(q, k[:, perm], v[:, perm], return_lse=True, softcap=4.0)
+    torch.testing.assert_close(out1, out2, atol=2e-6, rtol=1e-5, msg=lambda m: f"out moved (seed {seed}): {m}")
+    torch.testing.assert_close(lse1, lse2, atol=2e-6, rtol=1e-6, msg=lambda m: f"lse moved (seed {seed}): {m}")
+
+
+def test_deterministic_bitwise(seed):
+    q, k, v = random_qkv(2, 57, 61, 4, 2, 16, 16, torch.float32, requires_grad=True)
+    runs = []
+    for _ in range(3):
+        out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+        runs.append((out,) + torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for run in runs[1:]:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(a, b), f"{name} differs between identical calls (seed {seed})"
+
+
+def test_default_tiles_agree_with_forced_tiles(seed):
+    q, k, v = random_qkv(1, 300, 700, 2, 1, 32, 32, torch.float32)
+    default = flashtile.flash_attn_func(q, k, v, causal=True)
+    with flashtile.use_backend("torch", block_q=5, block_k=11):
+        forced = flashtile.flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(default, forced, atol=1e-6, rtol=1e-5)
