@@ -54,11 +54,16 @@ def key_blocks(problem: AttentionProblem, i0: int, i1: int, block_k: int, aligne
 
 
 def query_blocks(problem: AttentionProblem, j0: int, j1: int, block_q: int):
-    """Yield (block index, i0, i1, needs_element_mask) for the aligned query blocks that see keys [j0, j1)."""
+    """Yield (block index, i0, i1, k0, k1, needs_element_mask) for the aligned query blocks that see
+    keys [j0, j1), where [k0, k1) is the part of [j0, j1) that rows [i0, i1) can see at all (the
+    key block trimmed to the band, so tiles on the diagonal do not compute their invisible half)."""
     lo, hi = visible_query_range(problem, j0, j1)
     for i0 in range(lo - lo % block_q, hi, block_q):
         i1 = min(i0 + block_q, problem.seqlen_q)
-        yield i0 // block_q, i0, i1, not tile_is_inside_band(problem, i0, i1, j0, j1)
+        k_lo, k_hi = visible_key_range(problem, i0, i1)
+        k0, k1 = max(j0, k_lo), min(j1, k_hi)
+        if k0 < k1:
+            yield i0 // block_q, i0, i1, k0, k1, not tile_is_inside_band(problem, i0, i1, k0, k1)
 
 
 def count_visited_tiles(problem: AttentionProblem, block_q: int, block_k: int,

@@ -115,18 +115,18 @@ def _rows_to_block(ops: _Operands, rows: torch.Tensor, i0: int, i1: int) -> torc
     return x.permute(0, 3, 1, 2, 4).reshape(p.batch, i1 - i0, p.nheads, x.shape[-1])
 
 
-def _score_tile(ops: _Operands, q_block: torch.Tensor, k_t: torch.Tensor, i0: int, i1: int, j0: int, j1: int,
+def _score_tile(ops: _Operands, q_block: torch.Tensor, k_t_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int,
                 needs_band_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Final scores of rows [i0, i1) against keys [j0, j1): (batch*nheads_k, group*n, m).
 
-    k_t is K transposed (batch*nheads_k, headdim, seqlen_k), or with `_append_ones_row` when
-    q_block carries an extra column (then each row's scores are shifted by that column).
+    k_t_tile is keys [j0, j1) of K transposed, (batch*nheads_k, headdim, m), or with
+    `_append_ones_row` when q_block carries an extra column (which then shifts each row's scores).
     Also returns tanh(raw / softcap) when softcap is on (the backward pass needs its derivative).
     Masked entries are -inf.
     """
     p = ops.problem
     n, m = i1 - i0, j1 - j0
-    scores = torch.bmm(q_block, k_t[:, :, j0:j1])
+    scores = torch.bmm(q_block, k_t_tile)
     tanh = None
     if p.softcap > 0:
         tanh = scores.div_(p.softcap).tanh_()
@@ -178,7 +178,7 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
         row_sum = torch.zeros(ops.batch_heads, rows, dtype=ops.acc, device=p.device)
         acc = torch.zeros(ops.batch_heads, rows, p.headdim_v, dtype=ops.acc, device=p.device)
         for j0, j1, needs_mask in key_blocks(p, i0, i1, tiles.block_k):
-            scores, _ = _score_tile(ops, q_block, ops.k_t, i0, i1, j0, j1, needs_mask)
+            scores, _ = _score_tile(ops, q_block, ops.k_t[:, :, j0:j1], i0, i1, j0, j1, needs_mask)
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             # a row that has seen only masked keys keeps max -inf; shift it by 0 so exp gives 0, not NaN
             shift = new_max.masked_fill(new_max == NEG_INF, 0.0)
@@ -246,18 +246,26 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
         j1 = min(j0 + tiles.block_k, p.seqlen_k)
         dk_block = torch.zeros(ops.batch_heads, j1 - j0, p.headdim, dtype=ops.acc, device=p.device)
         dv_block = torch.zeros(ops.batch_heads, j1 - j0, p.headdim_v, dtype=ops.acc, device=p.device)
-        for index, i0, i1, needs_mask in query_blocks(p, j0, j1, tiles.block_q):
-            scores, tanh = _score_tile(ops, q_aug_blocks[index], k_t, i0, i1, j0, j1, needs_mask)
+        # contiguous copies of this key block, reused by every query block (faster matmuls than slices)
+        k_t_block, v_t_block = k_t[:, :, j0:j1].contiguous(), v_t[:, :, j0:j1].contiguous()
+        k_block = ops.k[:, j0:j1].contiguous()
+        for index, i0, i1, k0, k1, needs_mask in query_blocks(p, j0, j1, tiles.block_q):
+            trim = slice(k0 - j0, k1 - j0)
+            scores, tanh = _score_tile(ops, q_aug_blocks[index], k_t_block[:, :, trim], i0, i1, k0, k1, needs_mask)
             if not fold_lse:
                 scores.add_(neg_lse_blocks[index])
             probs = scores.exp_()
-            dv_block.baddbmm_(probs.transpose(1, 2), do_blocks[index])
-            grad_scores = torch.bmm(do_aug_blocks[index], v_t[:, :, j0:j1]).mul_(probs)  # P * (dP - delta)
+            grad_scores = torch.bmm(do_aug_blocks[index], v_t_block[:, :, trim]).mul_(probs)  # P * (dP - delta)
             if tanh is not None:  # d(c * tanh(x / c)) / dx = 1 - tanh^2
                 grad_scores.mul_(1.0 - tanh * tanh)
-            dq_blocks[index].baddbmm_(grad_scores, ops.k[:, j0:j1])
+            dq_blocks[index].baddbmm_(grad_scores, k_block[:, trim])
             # the Q rows already carry the softmax scale, so dK needs no further factor
-            dk_block.baddbmm_(grad_scores.transpose(1, 2), q_blocks[index])
+            if (k0, k1) == (j0, j1):
+                dv_block.baddbmm_(probs.transpose(1, 2), do_blocks[index])
+                dk_block.baddbmm_(grad_scores.transpose(1, 2), q_blocks[index])
+            else:  # a tile trimmed to the band: a strided slice as baddbmm_'s output is slow, so add
+                dv_block[:, trim].add_(torch.bmm(probs.transpose(1, 2), do_blocks[index]))
+                dk_block[:, trim].add_(torch.bmm(grad_scores.transpose(1, 2), q_blocks[index]))
         dk[:, j0:j1] = dk_block.view(b, hk, j1 - j0, p.headdim).transpose(1, 2)
         dv[:, j0:j1] = dv_block.view(b, hk, j1 - j0, p.headdim_v).transpose(1, 2)
 
