@@ -44,12 +44,17 @@ class TorchTiles:
 
 
 def default_tiles(problem: AttentionProblem) -> TorchTiles:
-    """Tiles sized so a (rows x block_k) fp32 score tile and its temporaries stay cache-resident.
+    """Tiles that give every tile about the same work whatever batch * heads is.
 
-    Tuned on a 2-core x86 CPU (see BENCHMARKS.md): ~128 score rows per K/V head and 512 keys.
+    Each torch call in the tile loop has a fixed cost of several microseconds, so a tile should
+    carry enough work to hide it, yet its fp32 scores (batch*nheads_k x rows x block_k) should stay
+    near the CPU's L2. Tuned on a 2-core x86 CPU (BENCHMARKS.md): ~512k scores per tile, 512 keys wide.
     """
-    block_q = max(16, 128 // problem.group_size)
-    return TorchTiles(block_q=block_q, block_k=512)
+    block_k = 512
+    rows = (512 * 1024) // (block_k * max(1, problem.batch * problem.nheads_k))
+    rows = min(1024, max(64, rows))
+    block_q = max(16, rows // problem.group_size)
+    return TorchTiles(block_q=min(block_q, max(16, problem.seqlen_q)), block_k=block_k)
 
 
 @dataclass
