@@ -72,8 +72,8 @@ class TritonBackend:
     tile_keys = ()
 
     def unavailable_reason(self, problem: AttentionProblem) -> str | None:
-        return ("the Triton kernels are not part of this flashtile release yet (they are planned); "
-                "use the 'torch' backend, which runs on CPU and CUDA tensors")
+        return ("flashtile's Triton kernels are not implemented in this release; the 'torch' backend "
+                "serves CPU and CUDA tensors")
 
 
 BACKENDS = {"torch": TorchBackend(), "triton": TritonBackend()}
@@ -136,8 +136,7 @@ def plan(problem: AttentionProblem) -> Plan:
         # the Triton kernels will be preferred for CUDA tensors once they exist; until then only torch serves
         triton_reason = BACKENDS["triton"].unavailable_reason(problem)
         backend = BACKENDS["torch"]
-        reason = (f"{request.source}: tensors on {problem.device.type}; "
-                  f"'triton' not chosen because {triton_reason}")
+        reason = f"{request.source} on {problem.device.type} tensors ('triton' not chosen: {triton_reason})"
     else:
         backend = BACKENDS[request.name]
         why_not = backend.unavailable_reason(problem)
