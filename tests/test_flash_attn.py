@@ -6,11 +6,16 @@ MHA / GQA / MQA and dv != d. Tile sizes are forced so that every case crosses se
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import flashtile
-from flashtile.reference import flash_attn_reference
+from flashtile._dispatch import plan
+from flashtile._validate import prepare_flash_attn
+from flashtile.autograd import attention
+from flashtile.reference import attention_reference, flash_attn_reference
 
 from conftest import LOW_PRECISION, assert_close_to_oracle, assert_exact_to_oracle, random_qkv
 
@@ -182,3 +187,23 @@ def test_default_tiles_agree_with_forced_tiles(seed):
     with flashtile.use_backend("torch", block_q=5, block_k=11):
         forced = flashtile.flash_attn_func(q, k, v, causal=True)
     torch.testing.assert_close(default, forced, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(37, 61), (61, 37)])
+@pytest.mark.parametrize("window", [(-1, 0), (4, 2), (0, -1)])
+def test_windows_in_top_left_alignment(seqlen_q, seqlen_k, window, seed):
+    """The machinery behind the SDPA entry point: any window around the top-left diagonal (offset 0)."""
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, 16, 8, torch.float64, requires_grad=True)
+    call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=window,
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              return_lse=True)
+    call = dataclasses.replace(call, problem=dataclasses.replace(call.problem, diagonal_offset=0, alignment="top-left"))
+    with flashtile.use_backend("torch", block_q=7, block_k=13):
+        out, lse = attention(call, plan(call.problem))
+    ref_out, ref_lse = attention_reference(call.q, call.k, call.v, window_size=window, diagonal_offset=0)
+    assert_exact_to_oracle("out", out, ref_out, seed)
+    assert_exact_to_oracle("lse", lse, ref_lse, seed, tol=1e-5)
+    grad = torch.randn_like(ref_out)
+    for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad((out * grad).sum(), (q, k, v)),
+                          torch.autograd.grad((ref_out * grad).sum(), (q, k, v))):
+        assert_exact_to_oracle(name, g, w, seed)
