@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import torch
+
 from . import torch_impl
 from ._geometry import count_visited_tiles
 from ._validate import AttentionProblem
+from .triton import configs as triton_configs
 
 BACKEND_NAMES = ("torch", "triton")
 ENV_VAR = "FLASHTILE_BACKEND"
@@ -46,10 +51,17 @@ class TorchBackend:
     def unavailable_reason(self, problem: AttentionProblem) -> str | None:
         return None
 
+    def check_tile_setting(self, key: str, value: int) -> None:
+        pass
+
     def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> torch_impl.TorchTiles:
-        tiles = torch_impl.default_tiles(problem)
-        return torch_impl.TorchTiles(block_q=overrides.get("block_q", tiles.block_q),
-                                     block_k=overrides.get("block_k", tiles.block_k))
+        return dataclasses.replace(torch_impl.default_tiles(problem), **overrides)
+
+    def tiles_to_list(self, tiles: torch_impl.TorchTiles) -> list[int]:
+        return [tiles.block_q, tiles.block_k]
+
+    def tiles_from_list(self, values: list[int]) -> torch_impl.TorchTiles:
+        return torch_impl.TorchTiles(*values)
 
     def describe_tiles(self, problem: AttentionProblem, tiles: torch_impl.TorchTiles) -> str:
         visited, masked, full = count_visited_tiles(problem, tiles.block_q, tiles.block_k)
@@ -65,15 +77,57 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """Placeholder for the fused GPU kernels; it names why it cannot serve a call."""
+    """Fused Triton kernels: CUDA GPUs of compute capability 8.0 or newer; CPU tensors under TRITON_INTERPRET=1."""
 
     name = "triton"
-    kernel = "flashtile.triton (fused Triton kernels)"
-    tile_keys = ()
+    kernel = ("flashtile.triton: attention_fwd_kernel; backward attention_bwd_preprocess_kernel, "
+              "attention_bwd_dkdv_kernel, attention_bwd_dq_kernel")
+    tile_keys = triton_configs.TILE_KEYS
 
     def unavailable_reason(self, problem: AttentionProblem) -> str | None:
-        return ("flashtile's Triton kernels are not implemented in this release; the 'torch' backend "
-                "serves CPU and CUDA tensors")
+        if importlib.util.find_spec("triton") is None:
+            return "the triton package is not installed"
+        if problem.dtype == torch.float64:
+            return "float64 is not supported by the Triton kernels (the 'torch' backend computes it)"
+        if problem.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(problem.device)
+            if capability < (8, 0):
+                return f"the GPU has compute capability {capability}; the kernels need 8.0 or newer"
+            return None
+        if problem.device.type == "cpu":
+            if triton_configs.interpreting():
+                return None
+            return "CPU tensors run the Triton kernels only under the interpreter (TRITON_INTERPRET=1, for testing)"
+        return f"tensors on {problem.device.type} are not supported"
+
+    def check_tile_setting(self, key: str, value: int) -> None:
+        if key.startswith(("block", "bwd_block")) and (value < 16 or value & (value - 1)):
+            raise ValueError(f"tile setting {key} must be a power of two >= 16, got {value}")
+
+    def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> triton_configs.TritonTiles:
+        capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
+        return dataclasses.replace(triton_configs.default_tiles(problem, capability), **overrides)
+
+    def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:
+        return list(dataclasses.astuple(tiles))
+
+    def tiles_from_list(self, values: list[int]) -> triton_configs.TritonTiles:
+        return triton_configs.TritonTiles(*values)
+
+    def describe_tiles(self, problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:
+        visited, masked, full = count_visited_tiles(problem, tiles.block_m, tiles.block_n, aligned=True)
+        return (f"{tiles.describe(problem)}; forward visits {visited} of {full} tiles per (batch, head) "
+                f"({masked} with an element mask)")
+
+    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles):
+        from .triton import launch  # kernels are compiled (or interpreted) on first use
+
+        return launch.forward(q, k, v, alibi_slopes, attn_mask, problem, tiles)
+
+    def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles):
+        from .triton import launch
+
+        return launch.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles)
 
 
 BACKENDS = {"torch": TorchBackend(), "triton": TritonBackend()}
@@ -113,6 +167,7 @@ def use_backend(name: str, **tile_overrides: int) -> Iterator[None]:
                 raise ValueError(f"backend {name!r} has no tile setting {key!r}; it accepts {allowed}")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"tile setting {key} must be a positive int, got {value!r}")
+            BACKENDS[name].check_tile_setting(key, value)
     token = _context_request.set(_Request(name, f"use_backend({name!r})", dict(tile_overrides)))
     try:
         yield
@@ -133,10 +188,14 @@ def plan(problem: AttentionProblem) -> Plan:
     """Choose the backend and tiles for `problem`, or raise BackendUnavailableError."""
     request = current_request()
     if request.name == "auto":
-        # the Triton kernels will be preferred for CUDA tensors once they exist; until then only torch serves
         triton_reason = BACKENDS["triton"].unavailable_reason(problem)
-        backend = BACKENDS["torch"]
-        reason = f"{request.source} on {problem.device.type} tensors ('triton' not chosen: {triton_reason})"
+        if problem.device.type == "cuda" and triton_reason is None:
+            backend, reason = BACKENDS["triton"], f"{request.source}: fused Triton kernels for CUDA tensors"
+        else:
+            backend = BACKENDS["torch"]
+            if problem.device.type == "cpu" and triton_reason is None:
+                triton_reason = "on CPU tensors the Triton interpreter is a test vehicle, not a fast path"
+            reason = f"{request.source} on {problem.device.type} tensors ('triton' not chosen: {triton_reason})"
     else:
         backend = BACKENDS[request.name]
         why_not = backend.unavailable_reason(problem)

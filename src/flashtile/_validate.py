@@ -5,9 +5,9 @@ backend can rely on the same invariants. Each violation raises `TypeError` (wron
 object or dtype) or `ValueError` (wrong value or shape) naming the argument, the actual value
 and the rule.
 
-The canonical layout handed to backends is "BHSD": q (batch, nheads, seqlen_q, headdim),
-k (batch, nheads_k, seqlen_k, headdim), v (batch, nheads_k, seqlen_k, headdim_v), as views of
-the caller's tensors (no copies unless the last dimension is not unit-stride).
+The canonical layout handed to backends is flash-attn's: q (batch, seqlen_q, nheads, headdim),
+k (batch, seqlen_k, nheads_k, headdim), v (batch, seqlen_k, nheads_k, headdim_v), as views of the
+caller's tensors (no copies unless the last dimension is not unit-stride).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.de
 
 @dataclass(frozen=True)
 class PreparedCall:
-    """Validated tensors in BHSD layout plus the problem description."""
+    """Validated tensors in the flash layout (batch, seqlen, heads, dim) plus the problem description."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -243,8 +243,7 @@ def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size
         headdim=headdim, headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale,
         window_left=left, window_right=right, diagonal_offset=seqlen_k - seqlen_q, alignment="bottom-right", softcap=cap,
         has_alibi=slopes is not None, mask_kind=None)
-    bhsd = [unit_last_stride(t).transpose(1, 2) for t in (q, k, v)]
-    return PreparedCall(*bhsd, alibi_slopes=slopes, attn_mask=None, problem=problem)
+    return PreparedCall(*(unit_last_stride(t) for t in (q, k, v)), alibi_slopes=slopes, attn_mask=None, problem=problem)
 
 
 def _check_attn_mask(attn_mask: object, full_shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
@@ -321,5 +320,5 @@ def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
         softmax_scale=softmax_scale, window_left=-1, window_right=0 if is_causal else -1,
         diagonal_offset=0, alignment="top-left", softcap=0.0, has_alibi=False,
         mask_kind=None if mask is None else ("bool" if mask.dtype == torch.bool else "additive"))
-    bhsd = [unit_last_stride(t).reshape(batch, *t.shape[-3:]) for t in (query, key, value)]
-    return PreparedCall(*bhsd, alibi_slopes=None, attn_mask=mask, problem=problem), out_shape
+    bshd = [unit_last_stride(t).reshape(batch, *t.shape[-3:]).transpose(1, 2) for t in (query, key, value)]
+    return PreparedCall(*bshd, alibi_slopes=None, attn_mask=mask, problem=problem), out_shape

@@ -1,40 +1,111 @@
-"""The autograd function shared by every public entry point and every backend.
+"""The attention operator that every entry point and every backend goes through.
 
-Forward saves q, k, v, out and the per-row lse (O(N * d) memory, never a seqlen x seqlen tensor);
-backward hands them to the same backend's recompute-based backward pass. The lse is an output
-with a gradient of its own (d lse / d s = P), so losses that use it (e.g. when merging attention
-over several key shards) differentiate correctly.
+Two `torch.library.custom_op`s, `flashtile::attention_forward` and `flashtile::attention_backward`,
+with fake (meta) implementations, and the forward's autograd formula registered with
+`register_autograd`. That makes the call opaque to `torch.compile`: a model using flashtile compiles
+with `fullgraph=True`, the kernels run as they are, and the graph sees the right output shapes.
+
+The forward saves q, k, v, out and the per-row lse (O(N * d) memory, never a seqlen x seqlen
+tensor); the backward hands them to the same backend's recompute-based backward pass. The lse is
+an output with a gradient of its own (d lse / d s = P), so losses that use it (e.g. when merging
+attention over several key shards) differentiate correctly.
+
+The operators take the problem as plain scalars (custom ops accept tensors, numbers and strings),
+the backend by name and its tiles as a list of ints; `_problem` rebuilds the AttentionProblem.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from torch.autograd.function import once_differentiable
 
-from ._dispatch import Plan
-from ._validate import PreparedCall, unit_last_stride
+from ._dispatch import BACKENDS, Plan
+from ._validate import AttentionProblem, PreparedCall, unit_last_stride
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, attn_mask, call: PreparedCall, plan: Plan):
-        out, lse = plan.backend.forward(q, k, v, alibi_slopes, attn_mask, call.problem, plan.tiles)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.alibi_slopes, ctx.attn_mask = alibi_slopes, attn_mask
-        ctx.problem, ctx.plan = call.problem, plan
-        return out, lse.float()
+def _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset, softcap,
+             alignment) -> AttentionProblem:
+    batch, seqlen_q, nheads, headdim = q.shape
+    return AttentionProblem(
+        batch=batch, nheads=nheads, nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], headdim=headdim,
+        headdim_v=v.shape[3], dtype=q.dtype, device=q.device, softmax_scale=softmax_scale, window_left=window_left,
+        window_right=window_right, diagonal_offset=diagonal_offset, alignment=alignment, softcap=softcap,
+        has_alibi=alibi_slopes is not None,
+        mask_kind=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive"))
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
-        grad_out = unit_last_stride(grad_out)
-        dq, dk, dv = ctx.plan.backend.backward(grad_out, grad_lse, q, k, v, out, lse, ctx.alibi_slopes,
-                                               ctx.attn_mask, ctx.problem, ctx.plan.tiles)
-        return dq, dk, dv, None, None, None, None
+
+@torch.library.custom_op("flashtile::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+                      attn_mask: Optional[torch.Tensor], softmax_scale: float, window_left: int, window_right: int,
+                      diagonal_offset: int, softcap: float, alignment: str, backend: str,
+                      tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (batch, seqlen_q, nheads, headdim_v) in q's dtype; lse (batch, nheads, seqlen_q) in the accumulation dtype."""
+    problem = _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
+                       softcap, alignment)
+    chosen = BACKENDS[backend]
+    return chosen.forward(q, k, v, alibi_slopes, attn_mask, problem, chosen.tiles_from_list(tiles))
+
+
+@attention_forward.register_fake
+def _(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset, softcap,
+      alignment, backend, tiles):
+    batch, seqlen_q, nheads, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_empty(batch, seqlen_q, nheads, v.shape[3]), q.new_empty(batch, nheads, seqlen_q, dtype=acc))
+
+
+@torch.library.custom_op("flashtile::attention_backward", mutates_args=())
+def attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+                       attn_mask: Optional[torch.Tensor], softmax_scale: float, window_left: int, window_right: int,
+                       diagonal_offset: int, softcap: float, alignment: str, backend: str,
+                       tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv: contiguous, shaped like q, k, v, in their dtype."""
+    problem = _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
+                       softcap, alignment)
+    chosen = BACKENDS[backend]
+    return chosen.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
+                           chosen.tiles_from_list(tiles))
+
+
+@attention_backward.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, softmax_scale, window_left, window_right,
+      diagonal_offset, softcap, alignment, backend, tiles):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+_SCALARS = ("softmax_scale", "window_left", "window_right", "diagonal_offset", "softcap", "alignment", "backend",
+            "tiles")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, alibi_slopes, attn_mask = inputs[:5]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask)
+    ctx.scalars = inputs[5:]
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, alibi_slopes, attn_mask = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
+    grad_out = unit_last_stride(grad_out)
+    dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * (2 + len(_SCALARS))
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(call: PreparedCall, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `plan` on `call`: returns out (batch, nheads, seqlen_q, headdim_v) and lse (batch, nheads, seqlen_q) float32."""
-    return _Attention.apply(call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, call, plan)
+    """Run `plan` on `call`: out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32."""
+    p = call.problem
+    out, lse = attention_forward(call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, p.softmax_scale,
+                                 p.window_left, p.window_right, p.diagonal_offset, p.softcap, p.alignment,
+                                 plan.backend.name, plan.backend.tiles_to_list(plan.tiles))
+    return out, lse.float()

@@ -76,6 +76,8 @@ class _Operands:
 
 
 def _prepare(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem) -> _Operands:
+    """Working state from q, k, v in the flash layout (batch, seqlen, heads, dim)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     acc = problem.accumulation_dtype
     b, hk, g = problem.batch, problem.nheads_k, problem.group_size
 
@@ -164,12 +166,12 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
                       tiles: TorchTiles) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward pass.
 
-    q (batch, nheads, seqlen_q, headdim), k (batch, nheads_k, seqlen_k, headdim),
-    v (batch, nheads_k, seqlen_k, headdim_v), any strides; alibi_slopes (batch or 1, nheads) or None;
+    q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
+    v (batch, seqlen_k, nheads_k, headdim_v), any strides; alibi_slopes (batch or 1, nheads) or None;
     attn_mask broadcast to (batch, nheads, seqlen_q, seqlen_k) or None.
-    Returns out (batch, nheads, seqlen_q, headdim_v) in q's dtype (a view of a contiguous
-    (batch, seqlen_q, nheads, headdim_v) buffer) and lse (batch, nheads, seqlen_q) in the
-    accumulation dtype: -inf, with out = 0, for rows that see no key.
+    Returns out (batch, seqlen_q, nheads, headdim_v), contiguous, in q's dtype, and lse
+    (batch, nheads, seqlen_q), contiguous, in the accumulation dtype: -inf, with out = 0, for rows
+    that see no key.
     """
     p = problem
     ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
@@ -198,14 +200,15 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
         out[:, i0:i1] = _rows_to_block(ops, acc, i0, i1)
         block_lse = torch.where(seen, row_max + torch.log(row_sum), NEG_INF)
         lse[:, i0:i1] = _rows_to_block(ops, block_lse.unsqueeze(-1), i0, i1).squeeze(-1)
-    return out.transpose(1, 2), lse.transpose(1, 2)
+    return out, lse.transpose(1, 2).contiguous()
 
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask,
                        problem: AttentionProblem, tiles: TorchTiles):
-    """Recompute-based backward pass: returns (dq, dk, dv) shaped like q, k, v (BHSD) in their dtype.
+    """Recompute-based backward pass: returns (dq, dk, dv), contiguous, shaped like q, k, v, in their dtype.
 
-    grad_out is shaped like out, grad_lse like lse (either may have any strides, stride 0 included).
+    Layouts as in attention_forward; grad_out is shaped like out, grad_lse like lse (either may have
+    any strides, stride 0 included).
     Schedule (FA2 backward): the outer loop walks key blocks, accumulating dK and dV for the block
     locally; the inner loop visits the query blocks that can see it, recomputing P = exp(S - lse)
     and dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse (since d lse / d s = P), and
@@ -214,6 +217,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
     p = problem
     ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
     b, hk, g = p.batch, p.nheads_k, p.group_size
+    grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
     # Rows that saw no key have lse = -inf; every score of theirs is masked to -inf, so any finite
     # stand-in gives exp(-inf) = 0 there (never inf - inf = NaN).
     lse_finite = lse.masked_fill(lse == NEG_INF, 0.0).to(ops.acc)
@@ -278,4 +282,4 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
     for index, i0 in enumerate(range(0, p.seqlen_q, tiles.block_q)):
         i1 = min(i0 + tiles.block_q, p.seqlen_q)
         dq[:, i0:i1] = _rows_to_block(ops, dq_blocks[index].mul_(p.softmax_scale), i0, i1)
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq, dk, dv

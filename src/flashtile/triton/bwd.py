@@ -1,0 +1,234 @@
+"""Recompute-based attention backward pass in Triton (FA2 schedule, deterministic).
+
+Three kernels:
+1. preprocess: delta = rowsum(dO * O) - dlse per query row (d lse / d s = P, so a cotangent on lse
+   enters the softmax Jacobian's row term).
+2. dK/dV: one program per (key block, batch * K/V head). It loads its K and V block once, then for
+   each query head that shares the K/V head (grouped-query attention: the sum over the group
+   happens in registers, no atomics, nothing repeated) streams the query blocks that can see the
+   key block, recomputing P = exp2(S - lse) from the saved log-sum-exp, and accumulates
+   dV += P^T dO and dK += dS^T Q with dS = P * (dP - delta), dP = dO V^T.
+3. dQ: one program per (query block, batch * head), streaming key blocks: dQ += dS K.
+dQ in its own kernel (instead of atomics from the dK/dV kernel) costs two extra matmuls per tile
+but makes every gradient bitwise reproducible.
+
+Both loops skip blocks outside the causal / window band and use the element mask only on blocks
+that straddle an edge (common.query_block_bounds / key_block_bounds). Softcap multiplies dS by the
+derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are constants.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LOG2E, key_block_bounds, query_block_bounds, scores
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(Out, dOut, dLse, Delta,
+                                    stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
+                                    nheads, seqlen_q,
+                                    HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // nheads).to(tl.int64)
+    h = (pid_bh % nheads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    ok = row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V)
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_dv[None, :], mask=ok, other=0.0)
+    do = tl.load(dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :], mask=ok, other=0.0)
+    dlse = tl.load(dLse + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - dlse
+    tl.store(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=row_ok)
+
+
+@triton.jit
+def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q):
+    """Base-2 lse (+inf for rows that saw no key, so exp2(s - lse) = 0 there) and delta of rows offs_m."""
+    row_ok = offs_m < seqlen_q
+    lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
+                 stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, sm_scale, softcap, slope,
+                 diagonal_offset, window_left, window_right,
+                 HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    k_t = tl.trans(k)
+    v_t = tl.trans(v)
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seqlen_q
+        rows = offs_m[:, None].to(tl.int64)
+        q = tl.load(q_base + rows * stride_qm + offs_d[None, :],
+                    mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+        do = tl.load(do_base + rows * stride_dom + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+        lse2, delta = _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q)
+        s, t = scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset,
+                      window_left, window_right, mask_cols + rows * stride_mask_m,
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+        p = tl.exp2(s - lse2[:, None])
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
+            ds = ds * (1.0 - t * t)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def attention_bwd_dkdv_kernel(
+    Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_k,
+    sm_scale, softcap, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    b = (pid_bhk // nheads_k).to(tl.int64)
+    hk = (pid_bhk % nheads_k).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_ok = offs_n < seqlen_k
+    cols = offs_n[:, None].to(tl.int64)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + cols * stride_kn + offs_d[None, :],
+                mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + cols * stride_vn + offs_dv[None, :],
+                mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left,
+                                                  window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for g in range(0, group_size):
+        h = hk * group_size + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = dOut + b * stride_dob + h * stride_doh
+        row_base = (b * nheads + h) * seqlen_q
+        mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[None, :].to(tl.int64) * stride_mask_n
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Slopes + b * stride_slopes_b + h)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
+                              mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
+                              seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset, window_left,
+                              window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                              HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
+                              mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
+                              seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset, window_left,
+                              window_right, HEADDIM, HEADDIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                              HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
+                              mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
+                              seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset, window_left,
+                              window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                              HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    tl.store(dK + b * stride_dkb + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
+             (dk * sm_scale).to(dK.dtype.element_ty), mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM))
+    tl.store(dV + b * stride_dvb + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
+             dv.to(dV.dtype.element_ty), mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+               offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, sm_scale, softcap, slope,
+               diagonal_offset, window_left, window_right,
+               HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < seqlen_k
+        cols = offs_n[:, None].to(tl.int64)
+        k = tl.load(k_base + cols * stride_kn + offs_d[None, :],
+                    mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+        v = tl.load(v_base + cols * stride_vn + offs_dv[None, :],
+                    mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+        s, t = scores(q, tl.trans(k), offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope,
+                      diagonal_offset, window_left, window_right, mask_rows + offs_n[None, :] * stride_mask_n,
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attention_bwd_dq_kernel(
+    Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, softcap, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // nheads).to(tl.int64)
+    h = (pid_bh % nheads).to(tl.int64)
+    hk = h // group_size
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    rows = offs_m[:, None].to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+    do = tl.load(dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+    lse2, delta = _load_row_stats(Lse, Delta, pid_bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_slopes_b + h)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                    offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, sm_scale, softcap,
+                    slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, True,
+                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                    offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, sm_scale, softcap,
+                    slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, False,
+                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                    offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, sm_scale, softcap,
+                    slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, True,
+                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    tl.store(dQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
+             (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))

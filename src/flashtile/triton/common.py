@@ -1,0 +1,113 @@
+"""Tile math shared by the forward and backward Triton kernels.
+
+Scores are kept in base 2: s2 = log2(e) * s, so the softmax uses exp2 (one multiply folded into the
+score scale) and the log-sum-exp stays in log2 until the launcher's boundary. The causal / window
+band is the same as `flashtile._geometry`: query row i may attend key j iff
+    (not HAS_LEFT  or j >= i + diagonal_offset - window_left) and
+    (not HAS_RIGHT or j <= i + diagonal_offset + window_right).
+Key blocks wholly outside the band are never visited; blocks wholly inside it skip the element
+mask; only blocks that straddle an edge (or the ragged end of the sequence) pay for it.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp2, stable for every |x|. (libdevice.tanh does not run in the CPU interpreter, triton 3.9.)"""
+    e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key blocks for query rows [m0, m0 + BLOCK_M): (lo, full_lo, full_hi, hi).
+
+    Blocks start on multiples of BLOCK_N. [lo, full_lo) and [full_hi, hi) straddle a band edge or the
+    ragged end of the keys and need the element mask; [full_lo, full_hi) lie wholly inside.
+    """
+    lo = 0
+    full_lo = 0
+    hi = seqlen_k
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        first_visible = tl.maximum(m0 + diagonal_offset - window_left, 0)
+        lo = (first_visible // BLOCK_N) * BLOCK_N
+        # the last row's left edge: blocks starting at or after it are visible to every row
+        last_row_edge = tl.maximum(m0 + BLOCK_M - 1 + diagonal_offset - window_left, 0)
+        full_lo = ((last_row_edge + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(m0 + BLOCK_M + diagonal_offset + window_right, seqlen_k)
+        # the first row's right edge (exclusive): blocks ending at or before it are visible to every row
+        first_row_end = tl.maximum(m0 + diagonal_offset + window_right + 1, 0)
+        full_hi = tl.minimum(full_hi, (first_row_end // BLOCK_N) * BLOCK_N)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left, window_right,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query blocks that see keys [n0, n0 + BLOCK_N): (lo, full_lo, full_hi, hi), the mirror of key_block_bounds."""
+    lo = 0
+    full_lo = 0
+    hi = seqlen_q
+    full_hi = (seqlen_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        first_visible = tl.maximum(n0 - diagonal_offset - window_right, 0)
+        lo = (first_visible // BLOCK_M) * BLOCK_M
+        # rows at or after this see the block's last key
+        last_key_row = tl.maximum(n0 + BLOCK_N - 1 - diagonal_offset - window_right, 0)
+        full_lo = ((last_key_row + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(n0 + BLOCK_N - diagonal_offset + window_left, seqlen_q)
+        # rows before this (exclusive) still see the block's first key
+        first_key_end = tl.maximum(n0 - diagonal_offset + window_left + 1, 0)
+        full_hi = tl.minimum(full_hi, (first_key_end // BLOCK_M) * BLOCK_M)
+    if n0 + BLOCK_N > seqlen_k:  # a ragged key block needs the mask in every tile
+        full_hi = full_lo
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset,
+           window_left, window_right, mask_ptrs,
+           MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+           HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Final scores of a (BLOCK_M, BLOCK_N) tile in base-2 units, and tanh(raw / softcap) (for the backward).
+
+    q (BLOCK_M, D), k_t (D, BLOCK_N). MASKED applies the band and sequence-end masks (-inf);
+    MASK_KIND 1 / 2 applies a boolean / additive user mask loaded through mask_ptrs.
+    """
+    qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        t = tanh(qk * (sm_scale / softcap))
+        s = t * (softcap * LOG2E)
+    else:
+        t = qk
+        s = qk * (sm_scale * LOG2E)
+    if HAS_ALIBI:
+        distance = tl.abs(offs_m[:, None] + diagonal_offset - offs_n[None, :]).to(tl.float32)
+        s = s - (slope * LOG2E) * distance
+    if MASKED:
+        allowed = (offs_n[None, :] < seqlen_k) & (offs_m[:, None] < seqlen_q)
+        if HAS_LEFT:
+            allowed = allowed & (offs_n[None, :] >= offs_m[:, None] + diagonal_offset - window_left)
+        if HAS_RIGHT:
+            allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + diagonal_offset + window_right)
+        s = tl.where(allowed, s, float("-inf"))
+    if MASK_KIND != 0:
+        in_bounds = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        if MASK_KIND == 1:
+            keep = tl.load(mask_ptrs, mask=in_bounds, other=0)  # uint8 view of a bool mask
+            s = tl.where(keep != 0, s, float("-inf"))
+        else:
+            s = s + tl.load(mask_ptrs, mask=in_bounds, other=float("-inf")).to(tl.float32) * LOG2E
+    return s, t

@@ -1,0 +1,51 @@
+"""Tile shapes, warps and pipeline stages of the Triton kernels, per head dim, dtype and GPU.
+
+The table is small on purpose: every entry was chosen by timing on the GPU named in BENCHMARKS.md.
+Under the CPU interpreter (TRITON_INTERPRET=1) the tiles are 16 x 16, the smallest that tl.dot
+accepts, so CI exercises many blocks, ragged edges and masks quickly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .._validate import AttentionProblem
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """One launch configuration for the forward kernel and one for the backward kernels."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    bwd_block_m: int
+    bwd_block_n: int
+    bwd_num_warps: int
+    bwd_num_stages: int
+
+    def describe(self, problem: AttentionProblem) -> str:
+        return (f"forward BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps, "
+                f"{self.num_stages} stages; backward BLOCK_M {self.bwd_block_m} x BLOCK_N {self.bwd_block_n}, "
+                f"{self.bwd_num_warps} warps, {self.bwd_num_stages} stages")
+
+
+TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
+    """The table. capability is the CUDA compute capability, or None under the interpreter."""
+    if capability is None:
+        return TritonTiles(16, 16, 1, 1, 16, 16, 1, 1)
+    width = max(problem.headdim, problem.headdim_v)
+    if width <= 64:
+        return TritonTiles(128, 64, 4, 3, 64, 64, 4, 2)
+    if width <= 128:
+        return TritonTiles(128, 64, 8, 3, 64, 64, 8, 2)
+    return TritonTiles(64, 32, 4, 2, 32, 32, 4, 1)

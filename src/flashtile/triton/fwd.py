@@ -1,0 +1,123 @@
+"""Fused attention forward pass in Triton (FA2 schedule).
+
+One program per (query block, batch * head). The program loads its query block once, streams the
+key/value blocks of its K/V head (grouped-query attention by index arithmetic: head h reads K/V
+head h // group_size, nothing is repeated), and keeps the online softmax in registers: running max
+m (base 2), running sum l and the unnormalised output acc, rescaled by exp2(m_old - m_new) when a
+block raises the max. Normalisation happens once in the epilogue, which writes out and the natural
+log-sum-exp (lse = (m + log2 l) * ln 2; -inf with out = 0 for rows that see no key).
+
+The key loop is split into three ranges (see common.key_block_bounds): blocks before the band's
+left edge region and after its right edge pay for the element mask; blocks wholly inside run
+without it; blocks wholly outside are never loaded.
+
+Supports: any head dims up to 256 (padded to a power of two inside the kernel, masked), dv != d,
+fp16 / bf16 / fp32 (fp32 dots in IEEE fp32 unless TF32 is allowed), causal and windows in either
+alignment (diagonal_offset), softcap, ALiBi, boolean / additive masks with any strides (stride 0
+for broadcast), int64 offsets. Limitations: no dropout; fp64 is left to the torch backend.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, key_block_bounds, scores
+
+
+@triton.jit
+def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                    offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, sm_scale, softcap, slope,
+                    diagonal_offset, window_left, window_right,
+                    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < seqlen_k
+        k_t = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
+                      mask=key_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
+        s, _ = scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset,
+                      window_left, window_right, mask_rows + offs_n[None, :] * stride_mask_n,
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED or MASK_KIND != 0:
+            # a row that has seen only masked keys keeps max -inf: shift by 0 so exp2 gives 0, not NaN
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(s - m_new_safe[:, None])
+        # rescale what was accumulated against the old max (0 on the first visible block)
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
+                    mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fwd_kernel(
+    Q, K, V, Out, Lse, Slopes, Mask,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, softcap, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // nheads).to(tl.int64)
+    h = (pid_bh % nheads).to(tl.int64)
+    hk = h // group_size
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+                mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEADDIM), other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + offs_m[:, None].to(tl.int64) * stride_mask_m
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_slopes_b + h)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # the three key ranges: left band edge (masked), interior (unmasked), right edge and ragged end (masked)
+    acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                                    offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
+                                    sm_scale, softcap, slope, diagonal_offset, window_left, window_right,
+                                    HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                    HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                                    offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k,
+                                    sm_scale, softcap, slope, diagonal_offset, window_left, window_right,
+                                    HEADDIM, HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                    HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                                    offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k,
+                                    sm_scale, softcap, slope, diagonal_offset, window_left, window_right,
+                                    HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                    HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+
+    # normalise once; rows that saw no key keep out = 0 and lse = -inf
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    row_ok = offs_m < seqlen_q
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
