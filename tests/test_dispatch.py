@@ -8,7 +8,7 @@ import torch
 import flashtile
 from flashtile import BackendUnavailableError
 
-from conftest import random_qkv
+from conftest import DEVICE, random_qkv
 
 
 @pytest.fixture
@@ -16,10 +16,15 @@ def tensors():
     return random_qkv(1, 20, 30, 2, 1, 16, 8, torch.float32)
 
 
-def test_auto_picks_torch_on_cpu(tensors):
+def test_auto_picks_by_device(tensors):
     text = flashtile.explain(*tensors)
-    assert text.startswith("backend: 'torch'")
-    assert "default (auto) on cpu tensors" in text
+    if DEVICE.type == "cpu":
+        assert text.startswith("backend: 'torch'") and "default (auto) on cpu tensors" in text
+        assert "the Triton interpreter is a test vehicle" in text
+    else:
+        assert text.startswith("backend: 'triton'") and "fused Triton kernels for CUDA tensors" in text
+    q64 = [t.double() for t in tensors]
+    assert flashtile.explain(*q64).startswith("backend: 'torch'"), "float64 is served by the torch backend"
 
 
 def test_environment_variable_selects(tensors, monkeypatch):
@@ -32,10 +37,21 @@ def test_environment_variable_selects(tensors, monkeypatch):
 
 def test_requested_backend_that_cannot_serve_raises(tensors, monkeypatch):
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
-    with pytest.raises(BackendUnavailableError, match=r"backend 'triton' \(requested by FLASHTILE_BACKEND=triton\) cannot serve"):
-        flashtile.flash_attn_func(*tensors)
-    text = flashtile.explain(*tensors)
+    as_float64 = [t.double() for t in tensors]
+    with pytest.raises(BackendUnavailableError, match=r"backend 'triton' \(requested by FLASHTILE_BACKEND=triton\) "
+                                                      r"cannot serve this call: float64 is not supported"):
+        flashtile.flash_attn_func(*as_float64)
+    text = flashtile.explain(*as_float64)
     assert text.startswith("this call would raise BackendUnavailableError")
+
+
+def test_triton_on_cpu_needs_the_interpreter(tensors, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if DEVICE.type != "cpu":
+        pytest.skip("about CPU tensors")
+    with flashtile.use_backend("triton"):
+        with pytest.raises(BackendUnavailableError, match=r"only under the interpreter \(TRITON_INTERPRET=1"):
+            flashtile.flash_attn_func(*tensors)
 
 
 def test_context_manager_overrides_environment_and_nests(tensors, monkeypatch):
@@ -44,8 +60,8 @@ def test_context_manager_overrides_environment_and_nests(tensors, monkeypatch):
         assert "block_q 4 x block_k 8" in flashtile.explain(*tensors)
         with flashtile.use_backend("triton"):
             with pytest.raises(BackendUnavailableError):
-                flashtile.flash_attn_func(*tensors)
-        out = flashtile.flash_attn_func(*tensors)  # back to the outer context
+                flashtile.flash_attn_func(*[t.double() for t in tensors])
+        out = flashtile.flash_attn_func(*[t.double() for t in tensors])  # back to the outer (torch) context
     assert out.shape == (1, 20, 2, 8)
 
 
@@ -53,6 +69,8 @@ def test_context_manager_overrides_environment_and_nests(tensors, monkeypatch):
     ("cuda", {}, r"use_backend name is 'cuda'"),
     ("torch", {"block_m": 4}, r"backend 'torch' has no tile setting 'block_m'"),
     ("torch", {"block_q": 0}, r"tile setting block_q must be a positive int"),
+    ("triton", {"block_m": 24}, r"tile setting block_m must be a power of two >= 16, got 24"),
+    ("triton", {"block_q": 16}, r"backend 'triton' has no tile setting 'block_q'"),
     ("auto", {"block_q": 8}, r"tile overrides need a named backend"),
 ])
 def test_use_backend_rejects(name, overrides, message):
@@ -62,7 +80,7 @@ def test_use_backend_rejects(name, overrides, message):
 
 
 def test_explain_describes_the_call(tensors):
-    q, k, v = tensors
+    q, k, v = (t.cpu() for t in tensors)
     slopes = torch.rand(2)
     text = flashtile.explain(q, k, v, causal=True, window_size=(4, -1), softcap=3.0, alibi_slopes=slopes)
     for fragment in ("backend: 'torch'", "batch 1, nheads 2 (nheads_k 1)", "seqlen_q 20", "seqlen_k 30",
@@ -76,6 +94,9 @@ def test_explain_reports_skipped_tiles():
     with flashtile.use_backend("torch", block_q=128, block_k=128):
         text = flashtile.explain(q, k, v, causal=True)
     assert "36 of 64 tiles visited" in text and "(8 with an element mask)" in text
+    with flashtile.use_backend("triton", block_m=128, block_n=64):
+        text = flashtile.explain(q, k, v, causal=True)
+    assert "BLOCK_M 128 x BLOCK_N 64" in text and "forward visits 72 of 128 tiles" in text
 
 
 def test_explain_sdpa_and_errors():

@@ -1,7 +1,9 @@
-"""flash_attn_func on the torch backend against the float64 oracle: every option, forward and backward.
+"""flash_attn_func on every backend against the float64 oracle: every option, forward and backward.
 
 Shapes are ragged (lengths and tile sizes that divide nothing), cover seqlen_q <, =, > seqlen_k,
-MHA / GQA / MQA and dv != d. Tile sizes are forced so that every case crosses several tiles.
+MHA / GQA / MQA and dv != d. Tile sizes are forced so that every case crosses several tiles. The
+Triton backend runs through Triton's CPU interpreter here (and on the GPU with
+FLASHTILE_TEST_DEVICE=cuda).
 """
 
 from __future__ import annotations
@@ -12,18 +14,20 @@ import pytest
 import torch
 
 import flashtile
-from flashtile._dispatch import plan
+from flashtile._dispatch import resolve
 from flashtile._validate import prepare_flash_attn
 from flashtile.autograd import attention
 from flashtile.reference import attention_reference, flash_attn_reference
 
-from conftest import LOW_PRECISION, assert_close_to_oracle, assert_exact_to_oracle, random_qkv
+from conftest import (DEVICE, LOW_PRECISION, assert_close_to_oracle, assert_exact_to_oracle, forced_tiles,
+                      random_qkv, skip_unsupported)
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v)
+# small enough for Triton's CPU interpreter, still several 16-wide tiles in every direction
 SHAPES = {
-    "mha-square": (2, 113, 113, 4, 4, 16, 16),
-    "gqa-short-q-dv": (1, 37, 113, 4, 2, 24, 40),
-    "mqa-long-q": (2, 113, 37, 3, 1, 40, 8),
+    "mha-square": (2, 53, 53, 2, 2, 16, 16),
+    "gqa-short-q-dv": (1, 37, 70, 4, 2, 24, 40),
+    "mqa-long-q": (1, 70, 37, 3, 1, 40, 8),
     "decode-d72": (1, 1, 70, 2, 1, 72, 72),
     "d1": (1, 7, 9, 1, 1, 1, 3),
 }
@@ -31,7 +35,7 @@ SHAPES = {
 
 def _slopes(shape, per_batch):
     batch, _, _, nheads = shape[:4]
-    return torch.rand(batch, nheads) if per_batch else torch.rand(nheads)
+    return torch.rand(batch, nheads, device=DEVICE) if per_batch else torch.rand(nheads, device=DEVICE)
 
 
 SCENARIOS = {
@@ -48,15 +52,7 @@ SCENARIOS = {
                                  "alibi_slopes": _slopes(shape, per_batch=True)},
 }
 
-TILES = {"7x13": (7, 13), "16x32": (16, 32), "default": None}
-
-
-def _run(q, k, v, kwargs, tiles):
-    if tiles is None:
-        with flashtile.use_backend("torch"):
-            return flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-    with flashtile.use_backend("torch", block_q=tiles[0], block_k=tiles[1]):
-        return flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+LOW_PRECISION_IDS = ("fp32", "fp16", "bf16")
 
 
 def _grads(out, lse, inputs, grad_out, grad_lse):
@@ -66,16 +62,17 @@ def _grads(out, lse, inputs, grad_out, grad_lse):
     return torch.autograd.grad(loss, inputs)
 
 
-@pytest.mark.parametrize("tiles", TILES.values(), ids=TILES.keys())
+@pytest.mark.parametrize("tiles", [(7, 13), (16, 32), None], ids=["7x13", "16x32", "default"])
 @pytest.mark.parametrize("scenario", SCENARIOS.keys())
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_float64_is_exact(shape, scenario, tiles, seed):
-    """In float64 the tiled algorithm must reproduce dense attention to rounding, gradients included."""
+    """In float64 the tiled algorithm (torch backend) reproduces dense attention to rounding, gradients included."""
     kwargs = SCENARIOS[scenario](shape)
     if "alibi_slopes" in kwargs:
         kwargs["alibi_slopes"] = kwargs["alibi_slopes"].double()
     q, k, v = random_qkv(*shape, torch.float64, requires_grad=True)
-    out, lse = _run(q, k, v, kwargs, tiles)
+    with forced_tiles("torch", *tiles) if tiles else flashtile.use_backend("torch"):
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
     ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
     assert out.dtype == torch.float64 and lse.dtype == torch.float32
     assert_exact_to_oracle("out", out, ref_out, seed)
@@ -87,14 +84,16 @@ def test_float64_is_exact(shape, scenario, tiles, seed):
         assert_exact_to_oracle(name, g, w, seed)
 
 
-@pytest.mark.parametrize("dtype", (torch.float32,) + LOW_PRECISION, ids=("fp32", "fp16", "bf16"))
+@pytest.mark.parametrize("dtype", (torch.float32,) + LOW_PRECISION, ids=LOW_PRECISION_IDS)
 @pytest.mark.parametrize("scenario", SCENARIOS.keys())
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_low_precision_follows_the_eager_rule(shape, scenario, dtype, seed):
+def test_low_precision_follows_the_eager_rule(backend, shape, scenario, dtype, seed):
     """fp32/fp16/bf16: forward, lse and gradients (through out and lse) within 2x eager error + floor."""
+    skip_unsupported(backend, dtype)
     kwargs = SCENARIOS[scenario](shape)
     q, k, v = random_qkv(*shape, dtype, requires_grad=True)
-    out, lse = _run(q, k, v, kwargs, (7, 13))
+    with forced_tiles(backend, 7, 13):
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
     assert out.dtype == dtype and lse.dtype == torch.float32
     ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
     eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype, **kwargs)
@@ -102,7 +101,8 @@ def test_low_precision_follows_the_eager_rule(shape, scenario, dtype, seed):
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.float32 if dtype == torch.float32 else dtype, seed)
 
     grad_out, grad_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
-    got = _grads(out, lse, (q, k, v), grad_out, grad_lse)
+    with forced_tiles(backend, 7, 13):
+        got = _grads(out, lse, (q, k, v), grad_out, grad_lse)
     want = _grads(ref_out, ref_lse, (q, k, v), grad_out, grad_lse)
     eager = _grads(eager_out, eager_lse, (q, k, v), grad_out, grad_lse)
     for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
@@ -113,7 +113,7 @@ def test_low_precision_follows_the_eager_rule(shape, scenario, dtype, seed):
 def test_gradient_through_lse_float64(seed):
     """d lse / d s = P: a loss on lse alone must give the oracle's gradients (to float32 rounding of lse)."""
     q, k, v = random_qkv(2, 29, 41, 4, 2, 16, 8, torch.float64, requires_grad=True)
-    with flashtile.use_backend("torch", block_q=8, block_k=16):
+    with forced_tiles("torch", 8, 16):
         _, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
     _, ref_lse = flash_attn_reference(q, k, v, causal=True)
     grad_lse = torch.randn_like(ref_lse)
@@ -125,14 +125,14 @@ def test_gradient_through_lse_float64(seed):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=("fp32", "fp16"))
-def test_late_maximum_in_last_tile(dtype, seed):
+def test_late_maximum_in_last_tile(backend, dtype, seed):
     """The largest score arrives in the last key tile: the rescale of earlier tiles must happen."""
-    seqlen_k, block_k = 50, 8
-    q = torch.ones(1, 3, 1, 4, dtype=dtype)
-    k = (0.1 * torch.randn(1, seqlen_k, 1, 4)).to(dtype)
-    k[0, -1, 0] = 5.0  # only the final tile (keys 48..49) holds the maximum
-    v = torch.randn(1, seqlen_k, 1, 6).to(dtype)
-    with flashtile.use_backend("torch", block_q=2, block_k=block_k):
+    seqlen_k = 50
+    q = torch.ones(1, 3, 1, 4, dtype=dtype, device=DEVICE)
+    k = (0.1 * torch.randn(1, seqlen_k, 1, 4)).to(device=DEVICE, dtype=dtype)
+    k[0, -1, 0] = 5.0  # only the final tile holds the maximum
+    v = torch.randn(1, seqlen_k, 1, 6).to(device=DEVICE, dtype=dtype)
+    with forced_tiles(backend, 2, 8):
         out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True)
     ref_out, ref_lse = flash_attn_reference(q, k, v)
     eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype)
@@ -143,10 +143,11 @@ def test_late_maximum_in_last_tile(dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=("fp32", "fp64"))
-def test_huge_scores_do_not_overflow(dtype, seed):
+def test_huge_scores_do_not_overflow(backend, dtype, seed):
     """|s| ~ 1e3 is far beyond exp's range; the running max keeps everything finite and exact."""
+    skip_unsupported(backend, dtype)
     q, k, v = random_qkv(1, 40, 70, 2, 2, 16, 16, dtype, requires_grad=True, scale=16.0)
-    with flashtile.use_backend("torch", block_q=16, block_k=16):
+    with forced_tiles(backend, 16, 16):
         out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, softmax_scale=1.0)
     ref_out, ref_lse = flash_attn_reference(q, k, v, softmax_scale=1.0)
     assert ref_lse.abs().max() > 500, "the test needs huge scores"
@@ -155,57 +156,70 @@ def test_huge_scores_do_not_overflow(dtype, seed):
     tol_floor = 1e-9 if dtype == torch.float64 else None
     assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed, floor=tol_floor)
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse.float(), torch.float32, seed)
-    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    with forced_tiles(backend, 16, 16):
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(g.isfinite().all() for g in (dq, dk, dv))
 
 
-def test_keys_are_permutation_invariant(seed):
+def test_keys_are_permutation_invariant(backend, seed):
     """Without causal/window/ALiBi, permuting key-value pairs jointly must not move the result."""
     q, k, v = random_qkv(2, 33, 96, 4, 2, 16, 24, torch.float32)
-    perm = torch.randperm(96)
-    with flashtile.use_backend("torch", block_q=7, block_k=13):
+    perm = torch.randperm(96, device=DEVICE)
+    with forced_tiles(backend, 7, 13):
         out1, lse1 = flashtile.flash_attn_func(q, k, v, return_lse=True, softcap=4.0)
         out2, lse2 = flashtile.flash_attn_func(q, k[:, perm], v[:, perm], return_lse=True, softcap=4.0)
     torch.testing.assert_close(out1, out2, atol=2e-6, rtol=1e-5, msg=lambda m: f"out moved (seed {seed}): {m}")
     torch.testing.assert_close(lse1, lse2, atol=2e-6, rtol=1e-6, msg=lambda m: f"lse moved (seed {seed}): {m}")
 
 
-def test_deterministic_bitwise(seed):
-    q, k, v = random_qkv(2, 57, 61, 4, 2, 16, 16, torch.float32, requires_grad=True)
+def test_deterministic_bitwise(backend, seed):
+    q, k, v = random_qkv(2, 37, 41, 4, 2, 16, 16, torch.float32, requires_grad=True)
     runs = []
-    for _ in range(3):
-        out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
-        runs.append((out,) + torch.autograd.grad(out.square().sum(), (q, k, v)))
+    with flashtile.use_backend(backend):
+        for _ in range(3):
+            out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+            runs.append((out,) + torch.autograd.grad(out.square().sum(), (q, k, v)))
     for run in runs[1:]:
         for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], run):
             assert torch.equal(a, b), f"{name} differs between identical calls (seed {seed})"
 
 
-def test_default_tiles_agree_with_forced_tiles(seed):
-    q, k, v = random_qkv(1, 300, 700, 2, 1, 32, 32, torch.float32)
-    default = flashtile.flash_attn_func(q, k, v, causal=True)
-    with flashtile.use_backend("torch", block_q=5, block_k=11):
+def test_default_tiles_agree_with_forced_tiles(backend, seed):
+    q, k, v = random_qkv(1, 100, 170, 2, 1, 32, 32, torch.float32)
+    with flashtile.use_backend(backend):
+        default = flashtile.flash_attn_func(q, k, v, causal=True)
+    with forced_tiles(backend, 5, 11):
         forced = flashtile.flash_attn_func(q, k, v, causal=True)
-    torch.testing.assert_close(default, forced, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(default, forced, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(37, 61), (61, 37)])
 @pytest.mark.parametrize("window", [(-1, 0), (4, 2), (0, -1)])
-def test_windows_in_top_left_alignment(seqlen_q, seqlen_k, window, seed):
+def test_windows_in_top_left_alignment(backend, seqlen_q, seqlen_k, window, seed):
     """The machinery behind the SDPA entry point: any window around the top-left diagonal (offset 0)."""
-    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, 16, 8, torch.float64, requires_grad=True)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, 16, 8, dtype, requires_grad=True)
     call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=window,
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                               return_lse=True)
     call = dataclasses.replace(call, problem=dataclasses.replace(call.problem, diagonal_offset=0, alignment="top-left"))
-    with flashtile.use_backend("torch", block_q=7, block_k=13):
-        out, lse = attention(call, plan(call.problem))
+    with forced_tiles(backend, 7, 13):
+        out, lse = attention(call, *resolve(call.problem))
+        grad = torch.randn_like(out, dtype=torch.float64)
+        got = torch.autograd.grad((out * grad).sum(), (q, k, v))
     ref_out, ref_lse = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            window_size=window, diagonal_offset=0)
     ref_out = ref_out.transpose(1, 2)
-    assert_exact_to_oracle("out", out, ref_out, seed)
-    assert_exact_to_oracle("lse", lse, ref_lse, seed, tol=1e-5)
-    grad = torch.randn_like(ref_out)
-    for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad((out * grad).sum(), (q, k, v)),
-                          torch.autograd.grad((ref_out * grad).sum(), (q, k, v))):
-        assert_exact_to_oracle(name, g, w, seed)
+    want = torch.autograd.grad((ref_out * grad).sum(), (q, k, v))
+    if dtype == torch.float64:
+        checks = [("out", out, ref_out), ("lse", lse, ref_lse)] + list(zip(("dq", "dk", "dv"), got, want))
+        for name, actual, expected in checks:
+            assert_exact_to_oracle(name, actual, expected, seed, tol=1e-5 if name == "lse" else 1e-10)
+        return
+    eager_out, _ = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_size=window,
+                                       diagonal_offset=0, dtype=dtype)
+    eager_out = eager_out.transpose(1, 2)
+    eager = torch.autograd.grad((eager_out * grad).sum(), (q, k, v))
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
+        assert_close_to_oracle(name, g, w, e, dtype, seed)

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 import flashtile
 from flashtile.reference import sdpa_reference
 
-from conftest import assert_close_to_oracle
+from conftest import DEVICE, assert_close_to_oracle, forced_tiles
 
 
 def _inputs(lead, hq, hk, seqlen_q, seqlen_k, e, ev, dtype=torch.float32):
     def make(*shape):
-        return torch.randn(*shape, dtype=dtype, requires_grad=True)
+        return torch.randn(*shape, dtype=dtype, device=DEVICE, requires_grad=True)
 
     return make(*lead, hq, seqlen_q, e), make(*lead, hk, seqlen_k, e), make(*lead, hk, seqlen_k, ev)
 
@@ -34,25 +34,25 @@ def _mask(kind, lead, hq, seqlen_q, seqlen_k):
     if kind is None:
         return None
     if kind == "bool-4d":
-        mask = torch.rand(*lead, hq, seqlen_q, seqlen_k) > 0.3
+        mask = torch.rand(*lead, hq, seqlen_q, seqlen_k, device=DEVICE) > 0.3
         mask[..., 0] = True  # keep every row non-empty: torch returns NaN for empty rows
         return mask
     if kind == "float-2d":
-        return torch.randn(seqlen_q, seqlen_k)
+        return torch.randn(seqlen_q, seqlen_k, device=DEVICE)
     if kind == "bool-row":
-        mask = torch.rand(seqlen_k) > 0.5
+        mask = torch.rand(seqlen_k, device=DEVICE) > 0.5
         mask[0] = True
         return mask
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_matches_torch_sdpa(case, seed):
+def test_matches_torch_sdpa(backend, case, seed):
     lead, hq, hk, seqlen_q, seqlen_k = (case[x] for x in ("lead", "hq", "hk", "seqlen_q", "seqlen_k"))
     q, k, v = _inputs(lead, hq, hk, seqlen_q, seqlen_k, 16, 24)
     mask = _mask(case["mask"], lead, hq, seqlen_q, seqlen_k)
     kwargs = dict(attn_mask=mask, is_causal=case["is_causal"], enable_gqa=hq != hk)
-    with flashtile.use_backend("torch", block_q=8, block_k=16):
+    with forced_tiles(backend, 8, 16):
         ours = flashtile.scaled_dot_product_attention(q, k, v, **kwargs)
     theirs = F.scaled_dot_product_attention(q, k, v, **kwargs)
     ref, _ = sdpa_reference(q, k, v, **kwargs)
@@ -67,24 +67,26 @@ def test_matches_torch_sdpa(case, seed):
         assert_close_to_oracle(name, g, w, t, torch.float32, seed)
 
 
-def test_rank_2_and_rank_3_inputs(seed):
+def test_rank_2_and_rank_3_inputs(backend, seed):
     for shape_q, shape_k in (((13, 8), (17, 8)), ((3, 13, 8), (3, 17, 8))):
-        q, k, v = torch.randn(shape_q), torch.randn(shape_k), torch.randn(shape_k)
-        ours = flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = (torch.randn(shape, device=DEVICE) for shape in (shape_q, shape_k, shape_k))
+        with flashtile.use_backend(backend):
+            ours = flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
         theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
 
 
-def test_custom_scale_and_half_precision(seed):
+def test_custom_scale_and_half_precision(backend, seed):
     q, k, v = _inputs((2,), 4, 4, 40, 40, 32, 32, dtype=torch.float16)
-    ours = flashtile.scaled_dot_product_attention(q, k, v, scale=0.05, is_causal=True)
+    with flashtile.use_backend(backend):
+        ours = flashtile.scaled_dot_product_attention(q, k, v, scale=0.05, is_causal=True)
     ref, _ = sdpa_reference(q, k, v, scale=0.05, is_causal=True)
     eager, _ = sdpa_reference(q, k, v, scale=0.05, is_causal=True, dtype=torch.float16)
     assert_close_to_oracle("out", ours, ref, eager, torch.float16, seed)
 
 
 def test_sdpa_output_is_usable_like_torchs():
-    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 8, 16, device=DEVICE) for _ in range(3))
     out = flashtile.scaled_dot_product_attention(q, k, v)
     # callers commonly do out.transpose(1, 2).reshape(batch, seq, width)
     merged = out.transpose(1, 2).reshape(2, 8, 64)

@@ -206,3 +206,19 @@ def plan(problem: AttentionProblem) -> Plan:
     if request.tile_overrides:
         reason += f"; tiles forced to {request.tile_overrides}"
     return Plan(backend=backend, tiles=tiles, reason=reason)
+
+
+def resolve(problem: AttentionProblem) -> tuple[str, tuple[int, ...]]:
+    """plan() reduced to constants (backend name, tiles): what the custom op needs.
+
+    torch.compile evaluates the choice once while tracing and bakes it into the graph: the backend
+    context and FLASHTILE_BACKEND are read when a function is compiled, not at each call.
+    """
+    return _resolve_constant(tuple(getattr(problem, f.name) for f in dataclasses.fields(problem)))
+
+
+@torch.compiler.assume_constant_result
+def _resolve_constant(problem_fields: tuple) -> tuple[str, tuple[int, ...]]:
+    # plain values in, plain values out: dynamo can treat the call as a constant
+    chosen = plan(AttentionProblem(*problem_fields))
+    return chosen.backend.name, tuple(chosen.backend.tiles_to_list(chosen.tiles))

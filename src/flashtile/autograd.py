@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ._dispatch import BACKENDS, Plan
+from ._dispatch import BACKENDS
 from ._validate import AttentionProblem, PreparedCall, unit_last_stride
 
 
@@ -102,10 +102,13 @@ def _backward(ctx, grad_out, grad_lse):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(call: PreparedCall, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `plan` on `call`: out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32."""
+def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `call` on backend `backend` with `tiles` (from _dispatch.resolve).
+
+    Returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32.
+    """
     p = call.problem
     out, lse = attention_forward(call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, p.softmax_scale,
                                  p.window_left, p.window_right, p.diagonal_offset, p.softcap, p.alignment,
-                                 plan.backend.name, plan.backend.tiles_to_list(plan.tiles))
+                                 backend, list(tiles))
     return out, lse.float()

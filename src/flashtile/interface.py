@@ -64,7 +64,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     call = prepare_flash_attn(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                               deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse)
-    out, lse = attention(call, _dispatch.plan(call.problem))
+    out, lse = attention(call, *_dispatch.resolve(call.problem))
     return (out, lse) if return_lse else out
 
 
@@ -92,7 +92,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     call, out_shape = prepare_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    out, _ = attention(call, _dispatch.plan(call.problem))
+    out, _ = attention(call, *_dispatch.resolve(call.problem))
     return out.transpose(1, 2).reshape(out_shape)
 
 

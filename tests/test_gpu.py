@@ -1,0 +1,71 @@
+"""Realistic shapes on a CUDA GPU: the Triton kernels against the float64 oracle, bf16 and fp16.
+
+Runs with FLASHTILE_TEST_DEVICE=cuda (on the H200 of BENCHMARKS.md); elsewhere every test here
+is skipped with that reason, since the CPU interpreter cannot run these sizes. The small-shape
+suite (test_flash_attn.py and friends) runs on the GPU too under the same variable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.reference import flash_attn_reference
+
+from conftest import DEVICE, assert_close_to_oracle, random_qkv
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: run with FLASHTILE_TEST_DEVICE=cuda")
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v), options
+CASES = {
+    "d128-causal": ((2, 2048, 2048, 8, 8, 128, 128), {"causal": True}),
+    "d64-gqa": ((2, 2048, 2048, 16, 4, 64, 64), {}),
+    "d128-mqa-causal-rect": ((1, 1000, 3000, 8, 1, 128, 128), {"causal": True}),
+    "d72-dv40-window": ((2, 1537, 1537, 4, 2, 72, 40), {"window_size": (256, 17)}),
+    "d256-softcap-alibi": ((1, 1024, 1024, 4, 4, 256, 256), {"causal": True, "softcap": 30.0, "alibi": True}),
+    "d96-long-q-causal": ((1, 3000, 700, 4, 2, 96, 96), {"causal": True}),
+}
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_triton_realistic_shapes(case, dtype, seed):
+    shape, options = case
+    kwargs = dict(options)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(shape[3], device=DEVICE) * 0.1
+    q, k, v = random_qkv(*shape, dtype, requires_grad=True)
+    with flashtile.use_backend("triton"):
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+        grad_out = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
+    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype, **kwargs)
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
+    want = torch.autograd.grad(ref_out, (q, k, v), grad_out.double())
+    eager = torch.autograd.grad(eager_out, (q, k, v), grad_out)
+    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
+        assert_close_to_oracle(name, g, w, e, dtype, seed)
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_triton_is_bitwise_deterministic_over_30_runs(causal, seed):
+    q, k, v = random_qkv(2, 2048, 2048, 16, 4, 128, 128, torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(2, 2048, 16, 128, device=DEVICE, dtype=torch.bfloat16)
+    first = None
+    with flashtile.use_backend("triton"):
+        for run in range(30):
+            out = flashtile.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+            results = (out,) + torch.autograd.grad(out, (q, k, v), grad_out)
+            if first is None:
+                first = results
+                continue
+            for name, a, b in zip(("out", "dq", "dk", "dv"), first, results):
+                assert torch.equal(a, b), f"{name} differs in run {run} (seed {seed})"
+
+
+def test_auto_picks_triton_for_cuda():
+    q, k, v = random_qkv(1, 64, 64, 2, 2, 64, 64, torch.bfloat16)
+    assert flashtile.explain(q, k, v).startswith("backend: 'triton'")
