@@ -1,0 +1,121 @@
+"""Time the Triton kernels under several tile configurations beside cuDNN and FA2 (SDPA), on a GPU.
+
+For each shape of the FlashAttention benchmark convention (16k tokens per batch, model width
+2048, bf16) and each candidate config, prints forward and forward+backward TFLOP/s (median of
+triton.testing.do_bench) and the ratio to the peers measured in the same run. Used to fill the
+table in src/flashtile/triton/configs.py; the benchmark of record is `flashtile bench`.
+
+    python benchmarks/tune_triton.py --headdim 128 --seqlens 4096,16384 --configs 128x64w8s3,128x128w8s2
+Config syntax: {BLOCK_M}x{BLOCK_N}w{warps}s{stages} for the forward; the backward keeps its default
+unless --bwd-configs is given (same syntax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtile
+from flashtile._measure import executed_kernels
+from flashtile._validate import prepare_flash_attn
+from flashtile._dispatch import BACKENDS
+
+
+def parse_config(text: str) -> tuple[int, int, int, int]:
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text)
+    if not match:
+        raise ValueError(f"config {text!r} is not of the form 128x64w8s3")
+    return tuple(int(x) for x in match.groups())
+
+
+def tflops(ms: float, batch: int, heads: int, seqlen: int, headdim: int, causal: bool, mode: str) -> float:
+    flops = 4 * batch * heads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
+    flops *= {"fwd": 1.0, "fwd+bwd": 3.5}[mode]
+    return flops / ms / 1e9
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--headdim", default="64,128")
+    parser.add_argument("--seqlens", default="1024,4096,16384")
+    parser.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    parser.add_argument("--modes", default="fwd,fwd+bwd")
+    parser.add_argument("--configs", default="", help="comma-separated forward configs; empty = the table's")
+    parser.add_argument("--bwd-configs", default="", help="comma-separated backward configs; empty = the table's")
+    parser.add_argument("--peers", default="cudnn,flash")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    modes = args.modes.split(",")
+    fwd_configs = [parse_config(c) for c in args.configs.split(",") if c]
+    bwd_configs = [parse_config(c) for c in args.bwd_configs.split(",") if c]
+    peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    peers = {name: peers[name] for name in args.peers.split(",") if name}
+
+    for headdim in (int(d) for d in args.headdim.split(",")):
+        for seqlen in (int(n) for n in args.seqlens.split(",")):
+            batch, heads = 16384 // seqlen, 2048 // headdim
+            q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=device, dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            grad = torch.randn_like(q)
+            call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                      softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                      return_lse=False)
+            default = BACKENDS["triton"].choose_tiles(call.problem, {})
+            candidates = [default]
+            for bm, bn, w, s in fwd_configs:
+                candidates.append(dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=w, num_stages=s))
+            for bm, bn, w, s in bwd_configs:
+                candidates.append(dataclasses.replace(default, bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=w,
+                                                      bwd_num_stages=s))
+            for causal in causals:
+                for mode in modes:
+                    def step(fn):
+                        if mode == "fwd":
+                            return lambda: fn()
+                        return lambda: torch.autograd.grad(fn(), (q, k, v), grad)
+
+                    peer_rates = {}
+                    for name, sdpa_backend in peers.items():
+                        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+                        def sdpa(b=sdpa_backend):
+                            with sdpa_kernel(b):
+                                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+                        try:
+                            peer_rates[name] = tflops(bench(step(sdpa)), batch, heads, seqlen, headdim, causal, mode)
+                        except RuntimeError as error:
+                            print(f"  {name}: not run ({str(error).splitlines()[0][:80]})")
+                    for tiles in candidates:
+                        overrides = dataclasses.asdict(tiles)
+
+                        def ours():
+                            with flashtile.use_backend("triton", **overrides):
+                                return flashtile.flash_attn_func(q, k, v, causal=causal)
+
+                        rate = tflops(bench(step(ours)), batch, heads, seqlen, headdim, causal, mode)
+                        ratios = " ".join(f"{rate / r:.2f}x {n}" for n, r in peer_rates.items())
+                        print(f"d{headdim} N{seqlen} B{batch} H{heads} causal={int(causal)} {mode:7s} "
+                              f"fwd {tiles.block_m}x{tiles.block_n}w{tiles.num_warps}s{tiles.num_stages} "
+                              f"bwd {tiles.bwd_block_m}x{tiles.bwd_block_n}w{tiles.bwd_num_warps}s{tiles.bwd_num_stages}: "
+                              f"{rate:6.1f} TFLOP/s | peers " + " ".join(f"{n} {r:.0f}" for n, r in peer_rates.items())
+                              + f" | {ratios}", flush=True)
+            names = executed_kernels(lambda: torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True),
+                                                                 (q, k, v), grad), device, limit=6)
+            print(f"  kernels (fwd+bwd, causal): {names}")
+
+
+if __name__ == "__main__":
+    main()
