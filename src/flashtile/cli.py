@@ -1,10 +1,11 @@
-"""Command line: `python -m flashtile demo` (and the `flashtile` console script)."""
+"""Command line: `python -m flashtile demo` and `python -m flashtile bench` (also the `flashtile` console script)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,52 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_path_error(path: str | None, flag: str) -> str | None:
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        return f"{flag}: the directory of {path!r} does not exist"
+    return None
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Run the benchmark grid; print the table to stdout and progress to stderr; write --json/--plot.
+    Bad option values print an error naming the option and return 2 before anything runs."""
+    # imported here so that `demo` does not pay for the benchmark's imports
+    from .bench import report, runner
+
+    try:
+        config = runner.make_config(device=args.device, dtype=args.dtype, headdim=args.headdim, seqlens=args.seqlens,
+                                    causal=args.causal, mode=args.mode, providers=args.providers, quick=args.quick)
+    except ValueError as error:
+        print(f"flashtile bench: error: {error}", file=sys.stderr)
+        return 2
+    # refuse unusable outputs now rather than after the whole grid has run
+    problems = [_output_path_error(args.json, "--json"), _output_path_error(args.plot, "--plot"),
+                report.plotting_unavailable_reason() if args.plot else None]
+    problems = [p for p in problems if p is not None]
+    if problems:
+        print("flashtile bench: error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+
+    interactive = sys.stderr.isatty()
+
+    def progress(message: str) -> None:
+        # a terminal sees one line rewritten in place; a log file gets every step
+        print(f"\r\033[K{message}" if interactive else message, end="" if interactive else "\n",
+              file=sys.stderr, flush=True)
+
+    result = runner.run_benchmark(config, progress=progress)
+    if interactive:
+        print(file=sys.stderr)
+    print(report.format_table(result), flush=True)
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot, result)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtile", description="Exact FlashAttention in Python.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +146,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=demo)
+
+    b = sub.add_parser("bench", help="time flashtile against torch SDPA, FlexAttention, naive attention and "
+                                      "flash-attn, in the FlashAttention benchmark convention",
+                       description="Shapes: 16384 tokens per batch (batch = 16384 // seqlen) and model width 2048 "
+                                   "(heads = 2048 // headdim), seqlen_q = seqlen_k. On the CPU pass --quick or small "
+                                   "--seqlens: the default grid takes hours there.")
+    b.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    b.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)")
+    b.add_argument("--headdim", default=None, help="comma-separated head dims, each 1..256 (default 64,128)")
+    b.add_argument("--seqlens", default=None, help="comma-separated sequence lengths (default 1024,4096,16384)")
+    b.add_argument("--causal", default="both", help="both, yes or no (default both)")
+    b.add_argument("--mode", default=None, help="comma-separated subset of fwd,bwd,fwd+bwd (default all three)")
+    b.add_argument("--providers", default=None,
+                   help="comma-separated provider names or families (flashtile, sdpa); default: all")
+    b.add_argument("--quick", action="store_true",
+                   help="a small grid for CI (cpu: d=64, N=256,512, 1024 tokens, width 256, fwd and fwd+bwd; "
+                        "cuda: d=128, N=1k,4k, fwd and fwd+bwd); explicit options still win")
+    b.add_argument("--json", default=None, metavar="PATH", help="write the header and every row to PATH")
+    b.add_argument("--plot", default=None, metavar="PATH", help="draw TFLOP/s to a PNG at PATH (needs matplotlib)")
+    b.set_defaults(run=bench)
     return parser
 
 

@@ -1,0 +1,181 @@
+"""Present a benchmark result: a terminal table, a JSON file, and a PNG bar chart.
+
+The JSON holds everything (`{"header": {...}, "rows": [...]}`, full kernel names and reasons); the
+table shortens kernel names and reasons to fit a terminal; the plot shows TFLOP/s of the "ok" rows
+only, in the style of the FlashAttention papers: one panel per (head dim, causal, mode), one bar
+group per sequence length, one bar per provider, each bar labelled with its value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+from flashtile.bench.runner import BenchResult
+
+KERNEL_NAME_WIDTH = 40
+KERNELS_SHOWN = 2
+REASON_WIDTH = 110
+
+
+def _number(x: float) -> str:
+    """Three significant digits, whole numbers from 100 on (0.000962, 0.0523, 8.00, 12.3, 581, 1234)."""
+    # "#" keeps trailing zeros (8.00, not 8); a value that rounds up to 100 would keep a bare "100."
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:#.3g}".rstrip(".")
+
+
+def _shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())  # reasons can span lines (torch's warnings)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _kernels(names: list[str]) -> str:
+    shown = ", ".join(_shorten(name, KERNEL_NAME_WIDTH) for name in names[:KERNELS_SHOWN])
+    return shown + (f" +{len(names) - KERNELS_SHOWN}" if len(names) > KERNELS_SHOWN else "")
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def _seqlen_label(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def format_header(header: dict) -> str:
+    """Two or three lines: machine and versions; ceilings; timing method."""
+    where = header["device_name"]
+    if header["device"] == "cuda":
+        where += f" (driver {header['driver']}, CUDA {header['cuda']})"
+    else:
+        where += f" (cpu, {header['cpu_threads']} threads)"
+    c = header["ceilings"]
+    lines = [
+        f"flashtile {header['flashtile']} bench on {where}; torch {header['torch']}, triton {header['triton']}; "
+        f"{header['date']}",
+        f"ceilings measured at start: {c['matmul_size']}^3 {header['dtype']} matmul {_number(c['matmul_tflops'])} "
+        f"TFLOP/s; device copy {_number(c['copy_gbps'])} GB/s (read + written)",
+    ]
+    if header["datasheet"] is not None:
+        d = header["datasheet"]
+        lines.append(f"datasheet: {_number(d['peak_tflops'])} TFLOP/s, {_number(d['bandwidth_gbps'])} GB/s ({d['source']})")
+    lines.append(f"shapes: {header['tokens_per_batch']} tokens per batch, model width {header['model_width']}; "
+                 f"time: {header['timing']}")
+    return "\n".join(lines)
+
+
+_COLUMNS = (("provider", 18, "<"), ("d", 4, ">"), ("N", 6, ">"), ("causal", 6, "<"), ("mode", 7, "<"),
+            ("BxH", 7, ">"), ("ms", 9, ">"), ("TFLOP/s", 8, ">"), ("%matmul", 7, ">"), ("%roof", 6, ">"),
+            ("peakMiB", 8, ">"), ("rel err", 8, ">"))
+
+
+def _line(cells: list[str]) -> str:
+    return " ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS))
+
+
+def format_table(result: BenchResult) -> str:
+    """The header, one line per row (skipped and failed rows show their reason), and a count."""
+    head = _line([name for name, _, _ in _COLUMNS]) + " ran"
+    lines = [format_header(result.header), "", head, "-" * len(head)]
+    previous_cell = None
+    for row in result.rows:
+        cell = (row.headdim, row.seqlen_q, row.causal, row.mode)
+        if previous_cell is not None and cell != previous_cell:
+            lines.append("")
+        previous_cell = cell
+        where = [row.provider, str(row.headdim), str(row.seqlen_q), "yes" if row.causal else "no", row.mode,
+                 f"{row.batch}x{row.heads}"]
+        if row.ms is None:
+            lines.append(_line(where) + f" {row.status}: {_shorten(row.reason or '', REASON_WIDTH)}")
+            continue
+        measured = [_number(row.ms), _number(row.tflops), _percent(row.matmul_fraction),
+                    _percent(row.roofline_fraction), "-" if row.peak_mib is None else f"{row.peak_mib:.1f}",
+                    f"{row.rel_error:.1e}" if row.rel_error is not None else "-"]
+        text = _line(where + measured) + " " + _kernels(row.kernels)
+        if row.status != "ok":
+            text += f"  [{row.status}: {_shorten(row.reason or '', REASON_WIDTH)}]"
+        lines.append(text)
+    counts = Counter(row.status for row in result.rows)
+    lines += ["", f"{len(result.rows)} rows: " + ", ".join(f"{counts[s]} {s}" for s in ("ok", "skipped", "failed")),
+              "%matmul = TFLOP/s / measured matmul ceiling; %roof = roofline bound (flashtile.iomodel: tiled model "
+              "for flash-style providers, materialised for naive and sdpa-math) / measured time; rel err = "
+              "||x - ref|| / ||ref|| vs float64 of out (fwd) or dq (bwd, fwd+bwd) on a sub-sample"]
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, result: BenchResult) -> None:
+    """Write {"header": ..., "rows": [...]} with every field of every row (full kernel names)."""
+    document = {"header": result.header, "rows": [dataclasses.asdict(row) for row in result.rows]}
+    Path(path).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def plotting_unavailable_reason() -> str | None:
+    """Why write_plot cannot run here (matplotlib missing), or None."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "plotting needs matplotlib: pip install 'flashtile[bench]' (or matplotlib>=3.7)"
+    return None
+
+
+def write_plot(path: str | Path, result: BenchResult) -> None:
+    """Draw TFLOP/s of the ok rows to a PNG (matplotlib's Agg backend, no display needed); in GFLOP/s
+    when no row reaches 1 TFLOP/s (the CPU).
+
+    Panels: one per (head dim, causal) in rows and mode in columns, in grid order. Providers keep
+    one colour and one bar slot across panels; a provider without an ok row anywhere is left out.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    rows = result.rows
+    ok = [row for row in rows if row.status == "ok"]
+    providers = list(dict.fromkeys(row.provider for row in ok))
+    seqlens = list(dict.fromkeys(row.seqlen_q for row in rows))
+    modes = list(dict.fromkeys(row.mode for row in rows))
+    panel_rows = list(dict.fromkeys((row.headdim, row.causal) for row in rows))
+    # CPU rates are far below 1 TFLOP/s; GFLOP/s keeps their labels readable
+    scale, unit = (1.0, "TFLOP/s") if max((r.tflops for r in ok), default=0.0) >= 1 else (1e3, "GFLOP/s")
+    value = {(r.provider, r.headdim, r.causal, r.mode, r.seqlen_q): r.tflops * scale for r in ok}
+
+    panel_width = max(5.0, 1.5 + 0.3 * len(seqlens) * len(providers))  # inches: about 0.3 per bar
+    figure = Figure(figsize=(panel_width * len(modes), 3.6 * len(panel_rows) + 0.8), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(panel_rows), len(modes), squeeze=False)
+    colours = {p: f"C{i % 10}" for i, p in enumerate(providers)}
+    width = 0.8 / max(1, len(providers))
+    rotate = len(providers) > 3  # vertical labels once bars get narrow
+    for (headdim, causal), panel_axes in zip(panel_rows, axes):
+        for mode, ax in zip(modes, panel_axes):
+            top = 0.0
+            for i, provider in enumerate(providers):
+                xs, heights = [], []
+                for x, n in enumerate(seqlens):
+                    tflops = value.get((provider, headdim, causal, mode, n))
+                    if tflops is not None:
+                        xs.append(x + (i - (len(providers) - 1) / 2) * width)
+                        heights.append(tflops)
+                if heights:
+                    bars = ax.bar(xs, heights, width, color=colours[provider], label=provider)
+                    ax.bar_label(bars, labels=[_number(h) for h in heights], fontsize=7, padding=2,
+                                 rotation=90 if rotate else 0)
+                    top = max(top, *heights)
+            ax.set_title(f"{mode}, head dim {headdim}, {'causal' if causal else 'non-causal'}", fontsize=10)
+            ax.set_xticks(range(len(seqlens)), [_seqlen_label(n) for n in seqlens])
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel(unit)
+            if top > 0:
+                ax.set_ylim(0, top * (1.35 if rotate else 1.15))  # room for the labels
+            else:
+                ax.text(0.5, 0.5, "no successful runs", ha="center", va="center", transform=ax.transAxes)
+            ax.grid(axis="y", alpha=0.3)
+    header = result.header
+    figure.suptitle(f"Attention {header['dtype']} on {header['device_name']}: {unit}, higher is better "
+                    f"(measured matmul ceiling {_number(header['ceilings']['matmul_tflops'] * scale)} {unit})",
+                    fontsize=11)
+    if providers:
+        figure.legend([Patch(color=colours[p]) for p in providers], providers, loc="outside lower center",
+                      ncols=min(len(providers), 8), fontsize=9)
+    figure.savefig(path, format="png", dpi=120)
