@@ -20,7 +20,7 @@ derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are const
 import triton
 import triton.language as tl
 
-from .common import LOG2E, key_block_bounds, query_block_bounds, scores
+from .common import key_block_bounds, query_block_bounds, scores
 
 
 @triton.jit
@@ -49,14 +49,14 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q):
     """Base-2 lse (+inf for rows that saw no key, so exp2(s - lse) = 0 there) and delta of rows offs_m."""
     row_ok = offs_m < seqlen_q
     lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # to base 2
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
     return lse2, delta
 
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
-                 stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, sm_scale, softcap, slope,
+                 stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                  diagonal_offset, window_left, window_right,
                  HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -72,7 +72,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm,
         do = tl.load(do_base + rows * stride_dom + offs_dv[None, :],
                      mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
         lse2, delta = _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q)
-        s, t = scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset,
+        s, t = scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                       window_left, window_right, mask_cols + rows * stride_mask_m,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         p = tl.exp2(s - lse2[:, None])
@@ -96,7 +96,7 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     nheads, nheads_k, group_size, seqlen_q, seqlen_k,
-    sm_scale, softcap, diagonal_offset, window_left, window_right,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -131,17 +131,17 @@ def attention_bwd_dkdv_kernel(
             slope = tl.load(Slopes + b * stride_slopes_b + h)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
-                              seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset, window_left,
+                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                               window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                               HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
-                              seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset, window_left,
+                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                               window_right, HEADDIM, HEADDIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                               HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
-                              seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset, window_left,
+                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                               window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                               HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     tl.store(dK + b * stride_dkb + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
@@ -152,7 +152,7 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
-               offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, sm_scale, softcap, slope,
+               offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                diagonal_offset, window_left, window_right,
                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -165,7 +165,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mas
                     mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
         v = tl.load(v_base + cols * stride_vn + offs_dv[None, :],
                     mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-        s, t = scores(q, tl.trans(k), offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope,
+        s, t = scores(q, tl.trans(k), offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                       diagonal_offset, window_left, window_right, mask_rows + offs_n[None, :] * stride_mask_n,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         p = tl.exp2(s - lse2[:, None])
@@ -187,7 +187,7 @@ def attention_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     nheads, group_size, seqlen_q, seqlen_k,
-    sm_scale, softcap, diagonal_offset, window_left, window_right,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -219,16 +219,16 @@ def attention_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
-                    offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, sm_scale, softcap,
-                    slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, True,
+                    offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
+                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, True,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
-                    offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, sm_scale, softcap,
-                    slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, False,
+                    offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
+                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, False,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
-                    offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, sm_scale, softcap,
-                    slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, True,
+                    offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
+                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, True,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     tl.store(dQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))

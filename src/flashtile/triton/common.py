@@ -1,7 +1,8 @@
 """Tile math shared by the forward and backward Triton kernels.
 
-Scores are kept in base 2: s2 = log2(e) * s, so the softmax uses exp2 (one multiply folded into the
-score scale) and the log-sum-exp stays in log2 until the launcher's boundary. The causal / window
+Scores are kept in base 2: s2 = log2(e) * s, so the softmax uses exp2 (LOG2E folded by the launcher
+into the score scale, the softcap factor and the ALiBi slopes) and the log-sum-exp stays in log2
+until the kernels' epilogue. The causal / window
 band is the same as `flashtile._geometry`: query row i may attend key j iff
     (not HAS_LEFT  or j >= i + diagonal_offset - window_left) and
     (not HAS_RIGHT or j <= i + diagonal_offset + window_right).
@@ -12,14 +13,16 @@ mask; only blocks that straddle an edge (or the ragged end of the sequence) pay 
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+# Written as literals inside the kernels (a module-level tl.constexpr breaks nested calls in the
+# 3.9 CPU interpreter, and triton 3.6 rejects annotated globals): log2(e) = 1.4426950408889634,
+# ln(2) = 0.6931471805599453.
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def tanh(x):
-    """tanh through exp2, stable for every |x|. (libdevice.tanh does not run in the CPU interpreter, triton 3.9.)"""
-    e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
+    """tanh through exp, stable for every |x|. (libdevice.tanh does not run in the CPU interpreter, triton 3.9.)"""
+    e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
 
@@ -77,25 +80,27 @@ def query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left, win
 
 
 @triton.jit
-def scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset,
-           window_left, window_right, mask_ptrs,
+def scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+           diagonal_offset, window_left, window_right, mask_ptrs,
            MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
            HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Final scores of a (BLOCK_M, BLOCK_N) tile in base-2 units, and tanh(raw / softcap) (for the backward).
 
-    q (BLOCK_M, D), k_t (D, BLOCK_N). MASKED applies the band and sequence-end masks (-inf);
-    MASK_KIND 1 / 2 applies a boolean / additive user mask loaded through mask_ptrs.
+    q (BLOCK_M, D), k_t (D, BLOCK_N). score_scale = softmax_scale * log2(e); with softcap,
+    softcap_scale = softmax_scale / softcap and softcap_out = softcap * log2(e); slope is the ALiBi
+    slope times log2(e). MASKED applies the band and sequence-end masks (-inf); MASK_KIND 1 / 2
+    applies a boolean / additive user mask loaded through mask_ptrs.
     """
     qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
-        t = tanh(qk * (sm_scale / softcap))
-        s = t * (softcap * LOG2E)
+        t = tanh(qk * softcap_scale)
+        s = t * softcap_out
     else:
         t = qk
-        s = qk * (sm_scale * LOG2E)
+        s = qk * score_scale
     if HAS_ALIBI:
         distance = tl.abs(offs_m[:, None] + diagonal_offset - offs_n[None, :]).to(tl.float32)
-        s = s - (slope * LOG2E) * distance
+        s = s - slope * distance
     if MASKED:
         allowed = (offs_n[None, :] < seqlen_k) & (offs_m[:, None] < seqlen_q)
         if HAS_LEFT:
@@ -109,5 +114,5 @@ def scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope,
             keep = tl.load(mask_ptrs, mask=in_bounds, other=0)  # uint8 view of a bool mask
             s = tl.where(keep != 0, s, float("-inf"))
         else:
-            s = s + tl.load(mask_ptrs, mask=in_bounds, other=float("-inf")).to(tl.float32) * LOG2E
+            s = s + tl.load(mask_ptrs, mask=in_bounds, other=float("-inf")).to(tl.float32) * 1.4426950408889634
     return s, t

@@ -20,12 +20,12 @@ for broadcast), int64 offsets. Limitations: no dropout; fp64 is left to the torc
 import triton
 import triton.language as tl
 
-from .common import LN2, key_block_bounds, scores
+from .common import key_block_bounds, scores
 
 
 @triton.jit
 def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
-                    offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, sm_scale, softcap, slope,
+                    offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                     diagonal_offset, window_left, window_right,
                     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -35,7 +35,7 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
         key_ok = offs_n < seqlen_k
         k_t = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
                       mask=key_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
-        s, _ = scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, sm_scale, softcap, slope, diagonal_offset,
+        s, _ = scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                       window_left, window_right, mask_rows + offs_n[None, :] * stride_mask_n,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -64,7 +64,7 @@ def attention_fwd_kernel(
     stride_ob, stride_om, stride_oh,
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     nheads, group_size, seqlen_q, seqlen_k,
-    sm_scale, softcap, diagonal_offset, window_left, window_right,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -98,17 +98,17 @@ def attention_fwd_kernel(
     # the three key ranges: left band edge (masked), interior (unmasked), right edge and ragged end (masked)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
-                                    sm_scale, softcap, slope, diagonal_offset, window_left, window_right,
+                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
                                     HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                     HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k,
-                                    sm_scale, softcap, slope, diagonal_offset, window_left, window_right,
+                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
                                     HEADDIM, HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                     HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k,
-                                    sm_scale, softcap, slope, diagonal_offset, window_left, window_right,
+                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
                                     HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                     HAS_ALIBI, MASK_KIND, DOT_PRECISION)
 
@@ -116,7 +116,7 @@ def attention_fwd_kernel(
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row_ok = offs_m < seqlen_q
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))

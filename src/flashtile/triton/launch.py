@@ -12,6 +12,7 @@ import torch
 import triton
 
 from .._validate import AttentionProblem
+from .common import LOG2E
 from .bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from .configs import TritonTiles
 from .fwd import attention_fwd_kernel
@@ -31,7 +32,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProblem):
     """The kernel arguments that describe scores: slopes, mask, their strides, the flags."""
     if alibi_slopes is not None:
-        slopes = alibi_slopes.float().contiguous()
+        slopes = (alibi_slopes.float() * LOG2E).contiguous()  # the kernels work in base 2
         slopes_stride = 0 if slopes.shape[0] == 1 else slopes.stride(0)
     else:
         slopes, slopes_stride = q, 0  # never read
@@ -41,8 +42,10 @@ def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProb
         mask_kind = 1 if attn_mask.dtype == torch.bool else 2
     else:
         mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0  # never read
-    scalars = (problem.softmax_scale, problem.softcap if problem.softcap > 0 else 1.0,
-               problem.diagonal_offset, max(problem.window_left, 0), max(problem.window_right, 0))
+    softcap = problem.softcap if problem.softcap > 0 else 1.0
+    # scale of the final scores in base 2; with softcap, tanh(q.k * softcap_scale) * softcap_out
+    scalars = (problem.softmax_scale, problem.softmax_scale * LOG2E, problem.softmax_scale / softcap,
+               softcap * LOG2E, problem.diagonal_offset, max(problem.window_left, 0), max(problem.window_right, 0))
     flags = dict(HEADDIM=problem.headdim, HEADDIM_V=problem.headdim_v, BLOCK_D=_block_width(problem.headdim),
                  BLOCK_DV=_block_width(problem.headdim_v), HAS_LEFT=problem.window_left >= 0,
                  HAS_RIGHT=problem.window_right >= 0, HAS_SOFTCAP=problem.softcap > 0,
