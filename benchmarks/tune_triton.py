@@ -91,8 +91,8 @@ def main() -> None:
                         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
                         def sdpa(b=sdpa_backend):
-                            with sdpa_kernel(b):
-                                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                            with sdpa_kernel(b):  # back to (batch, seqlen, heads, dim) so dO fits
+                                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
 
                         try:
                             peer_rates[name] = tflops(bench(step(sdpa)), batch, heads, seqlen, headdim, causal, mode)

@@ -7,8 +7,10 @@ Three kernels:
    each query head that shares the K/V head (grouped-query attention: the sum over the group
    happens in registers, no atomics, nothing repeated) streams the query blocks that can see the
    key block, recomputing P = exp2(S - lse) from the saved log-sum-exp, and accumulates
-   dV += P^T dO and dK += dS^T Q with dS = P * (dP - delta), dP = dO V^T.
-3. dQ: one program per (query block, batch * head), streaming key blocks: dQ += dS K.
+   dV += P^T dO and dK += dS^T Q with dS = P * (dP - delta), dP = dO V^T. Its tiles are computed
+   transposed (keys as rows: S^T = K Q^T), so P^T and dS^T feed the matmuls directly.
+3. dQ: one program per (query block, batch * head), streaming key blocks read transposed from
+   memory: dQ += dS K. It uses the dK/dV tile transposed (many query rows, few keys).
 dQ in its own kernel (instead of atomics from the dK/dV kernel) costs two extra matmuls per tile
 but makes every gradient bitwise reproducible.
 
@@ -56,32 +58,33 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q):
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
-                 stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                 diagonal_offset, window_left, window_right,
+                 stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale,
+                 softcap_out, slope, diagonal_offset, window_left, window_right,
                  HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    k_t = tl.trans(k)
-    v_t = tl.trans(v)
+    # Tiles are transposed (keys as rows, queries as columns) so that P^T and dS^T come out of the
+    # matmuls directly and only register tiles of Q and dO get transposed.
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seqlen_q
-        rows = offs_m[:, None].to(tl.int64)
-        q = tl.load(q_base + rows * stride_qm + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
-        do = tl.load(do_base + rows * stride_dom + offs_dv[None, :],
+        q_t = tl.load(q_base + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
+                      mask=row_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
+        do = tl.load(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
                      mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
         lse2, delta = _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q)
-        s, t = scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
-                      window_left, window_right, mask_cols + rows * stride_mask_m,
-                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
-        p = tl.exp2(s - lse2[:, None])
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+        s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, score_scale, softcap_scale,
+                          softcap_out, slope, diagonal_offset, window_left, window_right,
+                          mask_cols + offs_m[None, :].to(tl.int64) * stride_mask_m,
+                          MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND)
+        p_t = tl.exp2(s_t - lse2[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
-            ds = ds * (1.0 - t * t)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -125,7 +128,7 @@ def attention_bwd_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = dOut + b * stride_dob + h * stride_doh
         row_base = (b * nheads + h) * seqlen_q
-        mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[None, :].to(tl.int64) * stride_mask_n
+        mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[:, None].to(tl.int64) * stride_mask_n
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Slopes + b * stride_slopes_b + h)
@@ -160,20 +163,23 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mas
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
-        cols = offs_n[:, None].to(tl.int64)
-        k = tl.load(k_base + cols * stride_kn + offs_d[None, :],
-                    mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
-        v = tl.load(v_base + cols * stride_vn + offs_dv[None, :],
-                    mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-        s, t = scores(q, tl.trans(k), offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                      diagonal_offset, window_left, window_right, mask_rows + offs_n[None, :] * stride_mask_n,
-                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+        cols = offs_n[None, :].to(tl.int64)
+        # K and V are read transposed straight from memory (D, BLOCK_N): no in-register transpose
+        k_t = tl.load(k_base + cols * stride_kn + offs_d[:, None],
+                      mask=key_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
+        v_t = tl.load(v_base + cols * stride_vn + offs_dv[:, None],
+                      mask=key_ok[None, :] & (offs_dv[:, None] < HEADDIM_V), other=0.0)
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        s, t = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
+                      softcap_out, slope, diagonal_offset, window_left, window_right,
+                      mask_rows + offs_n[None, :] * stride_mask_n,
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND)
         p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
     return dq
 
 

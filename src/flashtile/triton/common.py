@@ -80,18 +80,19 @@ def query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left, win
 
 
 @triton.jit
-def scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
            diagonal_offset, window_left, window_right, mask_ptrs,
            MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-           HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Final scores of a (BLOCK_M, BLOCK_N) tile in base-2 units, and tanh(raw / softcap) (for the backward).
+           HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Final scores of a tile in base-2 units from its raw products qk, and tanh(raw / softcap) (for the backward).
 
-    q (BLOCK_M, D), k_t (D, BLOCK_N). score_scale = softmax_scale * log2(e); with softcap,
-    softcap_scale = softmax_scale / softcap and softcap_out = softcap * log2(e); slope is the ALiBi
-    slope times log2(e). MASKED applies the band and sequence-end masks (-inf); MASK_KIND 1 / 2
-    applies a boolean / additive user mask loaded through mask_ptrs.
+    The tile may be oriented either way: q_idx and k_idx are the query and key positions as 2-D
+    tensors that broadcast to qk's shape (queries as rows: q_idx (M, 1), k_idx (1, N); keys as rows
+    in the dK/dV kernel: q_idx (1, M), k_idx (N, 1)); mask_ptrs has qk's shape.
+    score_scale = softmax_scale * log2(e); with softcap, softcap_scale = softmax_scale / softcap and
+    softcap_out = softcap * log2(e); slope is the ALiBi slope times log2(e). MASKED applies the band
+    and sequence-end masks (-inf); MASK_KIND 1 / 2 applies a boolean / additive user mask.
     """
-    qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         t = tanh(qk * softcap_scale)
         s = t * softcap_out
@@ -99,17 +100,17 @@ def scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scal
         t = qk
         s = qk * score_scale
     if HAS_ALIBI:
-        distance = tl.abs(offs_m[:, None] + diagonal_offset - offs_n[None, :]).to(tl.float32)
+        distance = tl.abs(q_idx + diagonal_offset - k_idx).to(tl.float32)
         s = s - slope * distance
     if MASKED:
-        allowed = (offs_n[None, :] < seqlen_k) & (offs_m[:, None] < seqlen_q)
+        allowed = (k_idx < seqlen_k) & (q_idx < seqlen_q)
         if HAS_LEFT:
-            allowed = allowed & (offs_n[None, :] >= offs_m[:, None] + diagonal_offset - window_left)
+            allowed = allowed & (k_idx >= q_idx + diagonal_offset - window_left)
         if HAS_RIGHT:
-            allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + diagonal_offset + window_right)
+            allowed = allowed & (k_idx <= q_idx + diagonal_offset + window_right)
         s = tl.where(allowed, s, float("-inf"))
     if MASK_KIND != 0:
-        in_bounds = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        in_bounds = (q_idx < seqlen_q) & (k_idx < seqlen_k)
         if MASK_KIND == 1:
             keep = tl.load(mask_ptrs, mask=in_bounds, other=0)  # uint8 view of a bool mask
             s = tl.where(keep != 0, s, float("-inf"))

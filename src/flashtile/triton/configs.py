@@ -15,7 +15,11 @@ from .._validate import AttentionProblem
 
 @dataclass(frozen=True)
 class TritonTiles:
-    """One launch configuration for the forward kernel and one for the backward kernels."""
+    """One launch configuration for the forward kernel and one for the backward kernels.
+
+    The backward's dK/dV kernel takes bwd_block_m query rows against bwd_block_n keys; its dQ
+    kernel uses the transposed tile (bwd_block_n query rows against bwd_block_m keys).
+    """
 
     block_m: int
     block_n: int
@@ -45,7 +49,7 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         return TritonTiles(16, 16, 1, 1, 16, 16, 1, 1)
     width = max(problem.headdim, problem.headdim_v)
     if width <= 64:
-        return TritonTiles(128, 64, 4, 3, 64, 64, 4, 2)
+        return TritonTiles(128, 64, 4, 3, 32, 128, 4, 3)
     if width <= 128:
-        return TritonTiles(128, 64, 8, 3, 64, 64, 8, 2)
-    return TritonTiles(64, 32, 4, 2, 32, 32, 4, 1)
+        return TritonTiles(128, 64, 8, 3, 32, 128, 8, 2)
+    return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)

@@ -35,9 +35,11 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
         key_ok = offs_n < seqlen_k
         k_t = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
                       mask=key_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
-        s, _ = scores(q, k_t, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
-                      window_left, window_right, mask_rows + offs_n[None, :] * stride_mask_n,
-                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
+                      softcap_out, slope, diagonal_offset, window_left, window_right,
+                      mask_rows + offs_n[None, :] * stride_mask_n,
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED or MASK_KIND != 0:
             # a row that has seen only masked keys keeps max -inf: shift by 0 so exp2 gives 0, not NaN

@@ -106,7 +106,8 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
             *common,
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, num_warps=tiles.bwd_num_warps,
             num_stages=tiles.bwd_num_stages, **flags)
-    attention_bwd_dq_kernel[(triton.cdiv(p.seqlen_q, tiles.bwd_block_m), p.batch * p.nheads)](
+    # the dQ kernel uses the transposed tile: bwd_block_n query rows against bwd_block_m keys
+    attention_bwd_dq_kernel[(triton.cdiv(p.seqlen_q, tiles.bwd_block_n), p.batch * p.nheads)](
         q, k, v, grad_out, lse, delta, dq, slopes, mask,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -114,6 +115,6 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         slopes_stride, *mask_strides, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
-        BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, num_warps=tiles.bwd_num_warps,
+        BLOCK_M=tiles.bwd_block_n, BLOCK_N=tiles.bwd_block_m, num_warps=tiles.bwd_num_warps,
         num_stages=tiles.bwd_num_stages, **flags)
     return dq, dk, dv
