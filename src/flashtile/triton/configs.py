@@ -51,5 +51,5 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     if width <= 64:
         return TritonTiles(128, 64, 4, 3, 32, 128, 4, 3)
     if width <= 128:
-        return TritonTiles(128, 64, 8, 3, 32, 128, 8, 2)
+        return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3)
     return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)
