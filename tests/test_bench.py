@@ -118,6 +118,24 @@ def test_plot_is_a_png(quick_run):
     assert data.startswith(PNG_MAGIC) and len(data) > 10_000
 
 
+def test_a_saved_run_prints_and_plots_again(quick_run, tmp_path, capsys):
+    _, document, _ = quick_run
+    saved, png = tmp_path / "saved.json", tmp_path / "again.png"
+    saved.write_text(json.dumps(document))
+    assert cli.main(["bench", "--from-json", str(saved), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(document['rows'])} rows:" in out and png.read_bytes().startswith(PNG_MAGIC)
+    assert cli.main(["bench", "--from-json", str(tmp_path / "missing.json")]) == 2
+
+
+def test_rows_are_reported_as_they_finish(monkeypatch):
+    """The CLI rewrites --json after every row, so a run cut short by a time limit keeps its rows."""
+    config = runner.make_config(device="cpu", quick=True, seqlens="64", causal="no", mode="fwd", providers="naive")
+    seen = []
+    result = runner.run_benchmark(config, on_row=lambda partial: seen.append(len(partial.rows)))
+    assert seen == list(range(1, len(result.rows) + 1)) and len(result.rows) == config.row_count
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(37, 70, True), (70, 37, True), (50, 50, True), (40, 60, False)])
 def test_subsample_oracle_matches_full_reference(seqlen_q, seqlen_k, causal):
     batch, nheads, headdim = 2, 3, 8

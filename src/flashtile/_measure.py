@@ -122,6 +122,10 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
+# names the profiler reports with device time that are its own bookkeeping, not work of the call
+_PROFILER_ARTIFACTS = {"Activity Buffer Request"}
+
+
 def executed_kernels(fn: Callable[[], object], device: torch.device, limit: int = 3) -> list[str]:
     """Names of what fn() executed: CUDA kernels on the GPU, the heaviest aten ops on the CPU."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -132,7 +136,11 @@ def executed_kernels(fn: Callable[[], object], device: torch.device, limit: int 
         synchronize(device)
     events = prof.key_averages()
     if device.type == "cuda":
-        timed = [(e.self_device_time_total, e.key) for e in events if e.self_device_time_total > 0]
+        candidates = [e for e in events if e.self_device_time_total > 0 and e.key not in _PROFILER_ARTIFACTS]
+        # prefer device-side events (kernels, memsets) where the profiler labels them: the host operators
+        # that enclose kernels also carry device time and would otherwise be listed beside them
+        kernels = [e for e in candidates if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        timed = [(e.self_device_time_total, e.key) for e in (kernels or candidates)]
     else:
         timed = [(e.self_cpu_time_total, e.key) for e in events if e.key.startswith("aten::")]
     return [name for _, name in sorted(timed, reverse=True)[:limit]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -97,6 +98,8 @@ def bench(args: argparse.Namespace) -> int:
     # imported here so that `demo` does not pay for the benchmark's imports
     from .bench import report, runner
 
+    if args.from_json:
+        return _redraw(args, report)
     try:
         config = runner.make_config(device=args.device, dtype=args.dtype, headdim=args.headdim, seqlens=args.seqlens,
                                     causal=args.causal, mode=args.mode, providers=args.providers, quick=args.quick)
@@ -118,13 +121,35 @@ def bench(args: argparse.Namespace) -> int:
         print(f"\r\033[K{message}" if interactive else message, end="" if interactive else "\n",
               file=sys.stderr, flush=True)
 
-    result = runner.run_benchmark(config, progress=progress)
+    def save(partial) -> None:
+        if args.json:  # rewritten after every row, so a run cut short keeps what it measured
+            report.write_json(args.json, partial)
+
+    result = runner.run_benchmark(config, progress=progress, on_row=save)
     if interactive:
         print(file=sys.stderr)
     print(report.format_table(result), flush=True)
     if args.json:
         report.write_json(args.json, result)
         print(f"wrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot, result)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _redraw(args: argparse.Namespace, report) -> int:
+    """`bench --from-json PATH`: print (and with --plot, draw) a saved run without measuring anything."""
+    if not os.path.isfile(args.from_json):
+        print(f"flashtile bench: error: --from-json: no file {args.from_json!r}", file=sys.stderr)
+        return 2
+    problems = [_output_path_error(args.plot, "--plot"), report.plotting_unavailable_reason() if args.plot else None]
+    problems = [p for p in problems if p is not None]
+    if problems:
+        print("flashtile bench: error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    result = report.read_json(args.from_json)
+    print(report.format_table(result), flush=True)
     if args.plot:
         report.write_plot(args.plot, result)
         print(f"wrote {args.plot}")
@@ -165,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "cuda: d=128, N=1k,4k, fwd and fwd+bwd); explicit options still win")
     b.add_argument("--json", default=None, metavar="PATH", help="write the header and every row to PATH")
     b.add_argument("--plot", default=None, metavar="PATH", help="draw TFLOP/s to a PNG at PATH (needs matplotlib)")
+    b.add_argument("--from-json", default=None, metavar="PATH",
+                   help="measure nothing: print the table of a saved --json run (and draw it with --plot)")
     b.set_defaults(run=bench)
     return parser
 

@@ -14,7 +14,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from flashtile.bench.runner import BenchResult
+from flashtile.bench.runner import BenchResult, Row
 
 KERNEL_NAME_WIDTH = 40
 KERNELS_SHOWN = 2
@@ -110,6 +110,12 @@ def write_json(path: str | Path, result: BenchResult) -> None:
     """Write {"header": ..., "rows": [...]} with every field of every row (full kernel names)."""
     document = {"header": result.header, "rows": [dataclasses.asdict(row) for row in result.rows]}
     Path(path).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def read_json(path: str | Path) -> BenchResult:
+    """The inverse of write_json: a result to print or plot again without re-running it."""
+    document = json.loads(Path(path).read_text())
+    return BenchResult(header=document["header"], rows=[Row(**row) for row in document["rows"]])
 
 
 def plotting_unavailable_reason() -> str | None:

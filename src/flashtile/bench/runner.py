@@ -453,9 +453,11 @@ def _measure_row(row: Row, provider: Provider, problem: Problem, sets: list[Inpu
         row.status, row.reason = "failed", distrust
 
 
-def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda message: None) -> BenchResult:
+def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda message: None,
+                  on_row: Callable[[BenchResult], None] = lambda partial: None) -> BenchResult:
     """Measure the ceilings, then every row of the grid. `progress` receives one line before each
-    step (the caller decides where it goes)."""
+    step (the caller decides where it goes); `on_row` receives the result so far after each row
+    (so a run cut short by a time limit still leaves its finished rows behind)."""
     device, dtype = config.device, config.dtype
     torch.manual_seed(SEED)
     progress(f"measuring ceilings on {device.type}: {config.dtype_name} matmul and device copy")
@@ -476,6 +478,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
                      f"{'causal' if causal else 'non-causal'} {mode}")
             _measure_row(row, provider, Problem(shape, dtype, device, mode), sets, oracle, config, roofline, ceilings)
             rows.append(row)
+            on_row(BenchResult(header=header, rows=rows))
             if device.type == "cuda":
                 # return what the row's graphs and failures left cached, so the next row's memory
                 # checks and peaks start from the same place
