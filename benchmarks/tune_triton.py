@@ -6,8 +6,9 @@ triton.testing.do_bench) and the ratio to the peers measured in the same run. Us
 table in src/flashtile/triton/configs.py; the benchmark of record is `flashtile bench`.
 
     python benchmarks/tune_triton.py --headdim 128 --seqlens 4096,16384 --configs 128x64w8s3,128x128w8s2
-Config syntax: {BLOCK_M}x{BLOCK_N}w{warps}s{stages} for the forward; the backward keeps its default
-unless --bwd-configs is given (same syntax).
+Config syntax: {BLOCK_M}x{BLOCK_N}w{warps}s{stages}[t{schedule}] for the forward (schedule 0: pointer
+loads, 1: TMA descriptors, 2: TMA + warp specialization; default 0); the backward keeps its default
+unless --bwd-configs is given (same syntax, without the schedule).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from flashtile._validate import prepare_flash_attn
 from flashtile._dispatch import BACKENDS
 
 
-def parse_config(text: str) -> tuple[int, int, int, int]:
-    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text)
+def parse_config(text: str) -> tuple[int, int, int, int, int]:
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:t(\d))?", text)
     if not match:
-        raise ValueError(f"config {text!r} is not of the form 128x64w8s3")
-    return tuple(int(x) for x in match.groups())
+        raise ValueError(f"config {text!r} is not of the form 128x64w8s3 or 128x64w4s2t2")
+    return tuple(int(x or 0) for x in match.groups())
 
 
 def tflops(ms: float, batch: int, heads: int, seqlen: int, headdim: int, causal: bool, mode: str) -> float:
@@ -74,9 +75,10 @@ def main() -> None:
                                       return_lse=False)
             default = BACKENDS["triton"].choose_tiles(call.problem, {})
             candidates = [default]
-            for bm, bn, w, s in fwd_configs:
-                candidates.append(dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=w, num_stages=s))
-            for bm, bn, w, s in bwd_configs:
+            for bm, bn, w, s, schedule in fwd_configs:
+                candidates.append(dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
+                                                      forward_schedule=schedule))
+            for bm, bn, w, s, _ in bwd_configs:
                 candidates.append(dataclasses.replace(default, bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=w,
                                                       bwd_num_stages=s))
             for causal in causals:
@@ -108,7 +110,7 @@ def main() -> None:
                         rate = tflops(bench(step(ours)), batch, heads, seqlen, headdim, causal, mode)
                         ratios = " ".join(f"{rate / r:.2f}x {n}" for n, r in peer_rates.items())
                         print(f"d{headdim} N{seqlen} B{batch} H{heads} causal={int(causal)} {mode:7s} "
-                              f"fwd {tiles.block_m}x{tiles.block_n}w{tiles.num_warps}s{tiles.num_stages} "
+                              f"fwd {tiles.block_m}x{tiles.block_n}w{tiles.num_warps}s{tiles.num_stages}t{tiles.forward_schedule} "
                               f"bwd {tiles.bwd_block_m}x{tiles.bwd_block_n}w{tiles.bwd_num_warps}s{tiles.bwd_num_stages}: "
                               f"{rate:6.1f} TFLOP/s | peers " + " ".join(f"{n} {r:.0f}" for n, r in peer_rates.items())
                               + f" | {ratios}", flush=True)

@@ -52,7 +52,8 @@ class TorchBackend:
         return None
 
     def check_tile_setting(self, key: str, value: int) -> None:
-        pass
+        if value < 1:
+            raise ValueError(f"tile setting {key} must be a positive int, got {value}")
 
     def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> torch_impl.TorchTiles:
         return dataclasses.replace(torch_impl.default_tiles(problem), **overrides)
@@ -103,6 +104,12 @@ class TritonBackend:
     def check_tile_setting(self, key: str, value: int) -> None:
         if key.startswith(("block", "bwd_block")) and (value < 16 or value & (value - 1)):
             raise ValueError(f"tile setting {key} must be a power of two >= 16, got {value}")
+        if key == "forward_schedule":
+            if value not in triton_configs.FORWARD_SCHEDULES:
+                raise ValueError(f"tile setting forward_schedule must be one of "
+                                 f"{sorted(triton_configs.FORWARD_SCHEDULES)}, got {value}")
+        elif value < 1:
+            raise ValueError(f"tile setting {key} must be a positive int, got {value}")
 
     def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> triton_configs.TritonTiles:
         capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
@@ -165,8 +172,8 @@ def use_backend(name: str, **tile_overrides: int) -> Iterator[None]:
         for key, value in tile_overrides.items():
             if key not in allowed:
                 raise ValueError(f"backend {name!r} has no tile setting {key!r}; it accepts {allowed}")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"tile setting {key} must be a positive int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"tile setting {key} must be an int, got {value!r}")
             BACKENDS[name].check_tile_setting(key, value)
     token = _context_request.set(_Request(name, f"use_backend({name!r})", dict(tile_overrides)))
     try:

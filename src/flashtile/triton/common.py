@@ -117,3 +117,33 @@ def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, sof
         else:
             s = s + tl.load(mask_ptrs, mask=in_bounds, other=float("-inf")).to(tl.float32) * 1.4426950408889634
     return s, t
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, s, v, GUARD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores s (M, N) and its values v (N, DV) into (acc, l, m).
+
+    GUARD is needed when a row may have seen only masked (-inf) keys so far.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if GUARD:
+        # a row that has seen only masked keys keeps max -inf: shift by 0 so exp2 gives 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    p = tl.exp2(s - m_shift[:, None])
+    # rescale what was accumulated against the old max (0 on the first visible block)
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def finish_rows(acc, l_i, m_i):
+    """Normalise once: (out, natural lse); rows that saw no key give out = 0 and lse = -inf."""
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # ln 2: back to natural log
+    return out, lse

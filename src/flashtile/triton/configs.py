@@ -29,11 +29,20 @@ class TritonTiles:
     bwd_block_n: int
     bwd_num_warps: int
     bwd_num_stages: int
+    forward_schedule: int = 0  # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py)
 
     def describe(self, problem: AttentionProblem) -> str:
-        return (f"forward BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps, "
+        schedule = FORWARD_SCHEDULES[self.forward_schedule]
+        return (f"forward ({schedule}) BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps, "
                 f"{self.num_stages} stages; backward BLOCK_M {self.bwd_block_m} x BLOCK_N {self.bwd_block_n}, "
                 f"{self.bwd_num_warps} warps, {self.bwd_num_stages} stages")
+
+
+FORWARD_SCHEDULES = {
+    0: "attention_fwd_kernel, pointer loads",
+    1: "attention_fwd_tma_kernel, TMA descriptors, when strides are 16-byte aligned and there is no attn_mask",
+    2: "attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no attn_mask",
+}
 
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)

@@ -20,7 +20,7 @@ for broadcast), int64 offsets. Limitations: no dropout; fp64 is left to the torc
 import triton
 import triton.language as tl
 
-from .common import key_block_bounds, scores
+from .common import finish_rows, key_block_bounds, online_softmax_step, scores
 
 
 @triton.jit
@@ -40,20 +40,9 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
                       softcap_out, slope, diagonal_offset, window_left, window_right,
                       mask_rows + offs_n[None, :] * stride_mask_n,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED or MASK_KIND != 0:
-            # a row that has seen only masked keys keeps max -inf: shift by 0 so exp2 gives 0, not NaN
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new_safe = m_new
-        p = tl.exp2(s - m_new_safe[:, None])
-        # rescale what was accumulated against the old max (0 on the first visible block)
-        alpha = tl.exp2(m_i - m_new_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
                     mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED or MASK_KIND != 0, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -114,11 +103,7 @@ def attention_fwd_kernel(
                                     HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                     HAS_ALIBI, MASK_KIND, DOT_PRECISION)
 
-    # normalise once; rows that saw no key keep out = 0 and lse = -inf
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    out, lse = finish_rows(acc, l_i, m_i)
     row_ok = offs_m < seqlen_q
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))

@@ -15,7 +15,9 @@ from .._validate import AttentionProblem
 from .common import LOG2E
 from .bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from .configs import TritonTiles
+from .configs import interpreting
 from .fwd import attention_fwd_kernel
+from .fwd_tma import attention_fwd_tma_kernel
 
 
 def _block_width(dim: int) -> int:
@@ -53,6 +55,25 @@ def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProb
     return slopes, slopes_stride, mask, mask_strides, scalars, flags
 
 
+def _tma_ready(tensors, attn_mask) -> bool:
+    """TMA needs 16-byte aligned base addresses and strides, a GPU of sm_90+ (or the interpreter), no mask."""
+    if attn_mask is not None:
+        return False
+    if not interpreting():
+        if tensors[0].device.type != "cuda" or torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+            return False
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((stride * size) % 16 for stride in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    # in-kernel tensor descriptors need a little global scratch memory from the caller
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TritonTiles):
     """Fused forward: returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32."""
     p = problem
@@ -62,6 +83,20 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     grid = (triton.cdiv(p.seqlen_q, tiles.block_m), p.batch * p.nheads)
+    if tiles.forward_schedule > 0 and _tma_ready((q, k, v, out), attn_mask):
+        if not interpreting():
+            triton.set_allocator(_tma_scratch)
+        del flags["MASK_KIND"]
+        attention_fwd_tma_kernel[grid](
+            q, k, v, out, lse, slopes,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            WARP_SPECIALIZE=tiles.forward_schedule == 2, **flags)
+        return out, lse
     attention_fwd_kernel[grid](
         q, k, v, out, lse, slopes, mask,
         q.stride(0), q.stride(1), q.stride(2),

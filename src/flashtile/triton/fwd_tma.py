@@ -1,0 +1,99 @@
+"""Attention forward, Hopper schedule: the same algorithm as fwd.py, with tiles moved by TMA.
+
+Q, K, V and the output are read and written through in-kernel tensor descriptors
+(`tl.make_tensor_descriptor`, one 2-D [seqlen, headdim] view per (batch, head)), so the copy engine
+moves whole tiles, zero-fills rows past the end of the sequence and columns past the head dim, and
+clips the store; no per-element pointer or bounds arithmetic is left in the loop. With
+WARP_SPECIALIZE the interior key loop (the unmasked blocks, usually most of them) is split by the
+compiler into a producer warp issuing the TMA copies and consumer warpgroups doing the matmuls and
+the softmax (`tl.range(..., warp_specialize=True)`); the masked edge loops stay ordinary.
+
+Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
+interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
+multiples of 8 for 2-byte dtypes), no user mask (masks keep to fwd.py). Everything else (band,
+softcap, ALiBi, GQA, dv != d, both alignments) is as in fwd.py; the kernel writes the same out and
+lse.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import finish_rows, key_block_bounds, online_softmax_step, scores
+
+
+@triton.jit
+def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, start, end, seqlen_q, seqlen_k, score_scale,
+                        softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
+                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                        HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = k_desc.load([n0, 0])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
+                      softcap_out, slope, diagonal_offset, window_left, window_right, None,
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, 0)
+        v = v_desc.load([n0, 0])
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fwd_tma_kernel(
+    Q, K, V, Out, Lse, Slopes,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_slopes_b,
+    nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // nheads).to(tl.int64)
+    h = (pid_bh % nheads).to(tl.int64)
+    hk = h // group_size
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+
+    # one 2-D [seqlen, headdim] view per (batch, head); rows and columns past the ends read as zeros
+    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[seqlen_q, HEADDIM],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[seqlen_k, HEADDIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[seqlen_k, HEADDIM_V],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
+    o_desc = tl.make_tensor_descriptor(Out + b * stride_ob + h * stride_oh, shape=[seqlen_q, HEADDIM_V],
+                                       strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_DV])
+    q = q_desc.load([m0, 0])
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_slopes_b + h)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, lo, tl.minimum(full_lo, hi),
+                                        seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                                        diagonal_offset, window_left, window_right, BLOCK_N, True, HAS_LEFT,
+                                        HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
+    acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_lo, full_hi,
+                                        seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                                        diagonal_offset, window_left, window_right, BLOCK_N, False, HAS_LEFT,
+                                        HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, WARP_SPECIALIZE)
+    acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_hi, hi,
+                                        seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                                        diagonal_offset, window_left, window_right, BLOCK_N, True, HAS_LEFT,
+                                        HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
+
+    out, lse = finish_rows(acc, l_i, m_i)
+    o_desc.store([m0, 0], out.to(Out.dtype.element_ty))
+    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
