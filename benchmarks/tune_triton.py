@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import time
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,11 @@ def main() -> None:
                                       softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                       return_lse=False)
             default = BACKENDS["triton"].choose_tiles(call.problem, {})
+            start = time.perf_counter()
+            torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), grad)
+            torch.cuda.synchronize()
+            print(f"  d{headdim} N{seqlen}: first causal fwd+bwd call (compiles the four kernels unless "
+                  f"TRITON_CACHE_DIR holds them) {time.perf_counter() - start:.1f} s", flush=True)
             candidates = [default]
             for bm, bn, w, s, schedule in fwd_configs:
                 candidates.append(dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=w, num_stages=s,

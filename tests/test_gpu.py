@@ -69,3 +69,25 @@ def test_triton_is_bitwise_deterministic_over_30_runs(causal, seed):
 def test_auto_picks_triton_for_cuda():
     q, k, v = random_qkv(1, 64, 64, 2, 2, 64, 64, torch.bfloat16)
     assert flashtile.explain(q, k, v).startswith("backend: 'triton'")
+
+
+def test_128k_tokens_one_head_forward_backward_in_linear_memory(seed):
+    """N = 128k, d = 128: the bf16 score matrix alone would be 32 GiB; nothing near that may be allocated."""
+    seqlen = 128 * 1024
+    q, k, v = random_qkv(1, seqlen, seqlen, 1, 1, 128, 128, torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(1, seqlen, 1, 128, device=DEVICE, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with flashtile.use_backend("triton"):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_allocated() - before
+    assert growth < 2**30, f"forward+backward at 128k tokens grew memory by {growth / 2**20:.0f} MiB"
+    # the last rows see every key: check them against float64 (bottom-right alignment: offset = r0)
+    rows = slice(seqlen - 64, seqlen)
+    ref = flash_attn_reference(q[:, rows].detach(), k.detach(), v.detach(), causal=True)[0]
+    eager = flash_attn_reference(q[:, rows].detach(), k.detach(), v.detach(), causal=True, dtype=torch.bfloat16)[0]
+    assert_close_to_oracle("out (last 64 rows)", out[:, rows], ref, eager, torch.bfloat16, seed)
+    assert all(g.isfinite().all() for g in (dq, dk, dv))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -227,5 +228,14 @@ def resolve(problem: AttentionProblem) -> tuple[str, tuple[int, ...]]:
 @torch.compiler.assume_constant_result
 def _resolve_constant(problem_fields: tuple) -> tuple[str, tuple[int, ...]]:
     # plain values in, plain values out: dynamo can treat the call as a constant
+    request = current_request()
+    key = (request.name, request.source, tuple(sorted(request.tile_overrides.items())), triton_configs.interpreting())
+    return _cached_resolution(problem_fields, key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_resolution(problem_fields: tuple, request_key: tuple) -> tuple[str, tuple[int, ...]]:
+    # a call's backend and tiles depend only on its problem and the request: planning (device queries,
+    # tile table) runs once per distinct call instead of on every call
     chosen = plan(AttentionProblem(*problem_fields))
     return chosen.backend.name, tuple(chosen.backend.tiles_to_list(chosen.tiles))

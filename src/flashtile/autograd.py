@@ -1,16 +1,19 @@
 """The attention operator that every entry point and every backend goes through.
 
-Two `torch.library.custom_op`s, `flashtile::attention_forward` and `flashtile::attention_backward`,
-with fake (meta) implementations, and the forward's autograd formula registered with
-`register_autograd`. That makes the call opaque to `torch.compile`: a model using flashtile compiles
-with `fullgraph=True`, the kernels run as they are, and the graph sees the right output shapes.
+One implementation (`_forward_impl`, `_backward_impl`) reached two ways:
+- eagerly, through `_EagerAttention`, a plain `torch.autograd.Function` (a custom op's dispatch costs
+  ~100 us per call on the host, 8x an autograd.Function's, which short sequences on a GPU feel);
+- under `torch.compile`, through the `torch.library.custom_op`s `flashtile::attention_forward` and
+  `flashtile::attention_backward` with fake (meta) implementations and `register_autograd`, so the
+  call is opaque to the compiler: a model using flashtile compiles with `fullgraph=True`, the kernels
+  run as they are, and the graph sees the right output shapes.
 
 The forward saves q, k, v, out and the per-row lse (O(N * d) memory, never a seqlen x seqlen
 tensor); the backward hands them to the same backend's recompute-based backward pass. The lse is
 an output with a gradient of its own (d lse / d s = P), so losses that use it (e.g. when merging
 attention over several key shards) differentiate correctly.
 
-The operators take the problem as plain scalars (custom ops accept tensors, numbers and strings),
+The operator takes the problem as plain scalars (custom ops accept tensors, numbers and strings),
 the backend by name and its tiles as a list of ints; `_problem` rebuilds the AttentionProblem.
 """
 
@@ -19,9 +22,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._dispatch import BACKENDS
 from ._validate import AttentionProblem, PreparedCall, unit_last_stride
+
+# the operator's non-tensor arguments, after q, k, v, alibi_slopes, attn_mask
+_SCALARS = ("softmax_scale", "window_left", "window_right", "diagonal_offset", "softcap", "alignment", "backend",
+            "tiles")
 
 
 def _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset, softcap,
@@ -35,16 +43,31 @@ def _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, windo
         mask_kind=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive"))
 
 
+def _forward_impl(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
+                  softcap, alignment, backend, tiles):
+    problem = _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
+                       softcap, alignment)
+    chosen = BACKENDS[backend]
+    return chosen.forward(q, k, v, alibi_slopes, attn_mask, problem, chosen.tiles_from_list(tiles))
+
+
+def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, softmax_scale, window_left,
+                   window_right, diagonal_offset, softcap, alignment, backend, tiles):
+    problem = _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
+                       softcap, alignment)
+    chosen = BACKENDS[backend]
+    return chosen.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
+                           chosen.tiles_from_list(tiles))
+
+
 @torch.library.custom_op("flashtile::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
                       attn_mask: Optional[torch.Tensor], softmax_scale: float, window_left: int, window_right: int,
                       diagonal_offset: int, softcap: float, alignment: str, backend: str,
                       tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """out (batch, seqlen_q, nheads, headdim_v) in q's dtype; lse (batch, nheads, seqlen_q) in the accumulation dtype."""
-    problem = _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
-                       softcap, alignment)
-    chosen = BACKENDS[backend]
-    return chosen.forward(q, k, v, alibi_slopes, attn_mask, problem, chosen.tiles_from_list(tiles))
+    return _forward_impl(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
+                         softcap, alignment, backend, tiles)
 
 
 @attention_forward.register_fake
@@ -62,11 +85,8 @@ def attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.
                        diagonal_offset: int, softcap: float, alignment: str, backend: str,
                        tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv: contiguous, shaped like q, k, v, in their dtype."""
-    problem = _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
-                       softcap, alignment)
-    chosen = BACKENDS[backend]
-    return chosen.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
-                           chosen.tiles_from_list(tiles))
+    return _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, softmax_scale, window_left,
+                          window_right, diagonal_offset, softcap, alignment, backend, tiles)
 
 
 @attention_backward.register_fake
@@ -76,18 +96,15 @@ def _(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, softmax_sc
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
-_SCALARS = ("softmax_scale", "window_left", "window_right", "diagonal_offset", "softcap", "alignment", "backend",
-            "tiles")
-
-
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, output) -> None:
     q, k, v, alibi_slopes, attn_mask = inputs[:5]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask)
     ctx.scalars = inputs[5:]
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _gradients(ctx, grad_out, grad_lse, backward):
+    """The autograd formula shared by both paths; `backward` is _backward_impl or the custom op."""
     q, k, v, out, lse, alibi_slopes, attn_mask = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
@@ -95,11 +112,26 @@ def _backward(ctx, grad_out, grad_lse):
         grad_lse = torch.zeros_like(lse)
     # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
     grad_out = unit_last_stride(grad_out)
-    dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, *ctx.scalars)
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, *ctx.scalars)
     return (dq, dk, dv) + (None,) * (2 + len(_SCALARS))
 
 
-attention_forward.register_autograd(_backward, setup_context=_setup_context)
+attention_forward.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, grad_lse,
+                                                                              attention_backward),
+                                    setup_context=_save)
+
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _save(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        return _gradients(ctx, grad_out, grad_lse, _backward_impl)
 
 
 def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +140,10 @@ def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple
     Returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32.
     """
     p = call.problem
-    out, lse = attention_forward(call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, p.softmax_scale,
-                                 p.window_left, p.window_right, p.diagonal_offset, p.softcap, p.alignment,
-                                 backend, list(tiles))
+    inputs = (call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, p.softmax_scale, p.window_left,
+              p.window_right, p.diagonal_offset, p.softcap, p.alignment, backend, list(tiles))
+    if torch.compiler.is_compiling():
+        out, lse = attention_forward(*inputs)
+    else:
+        out, lse = _EagerAttention.apply(*inputs)
     return out, lse.float()
