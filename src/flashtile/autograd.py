@@ -79,12 +79,12 @@ def _(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right
 
 
 @torch.library.custom_op("flashtile::attention_backward", mutates_args=())
-def attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+def attention_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
                        attn_mask: Optional[torch.Tensor], softmax_scale: float, window_left: int, window_right: int,
                        diagonal_offset: int, softcap: float, alignment: str, backend: str,
                        tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv: contiguous, shaped like q, k, v, in their dtype."""
+    """dq, dk, dv: contiguous, shaped like q, k, v, in their dtype. grad_lse None means zero."""
     return _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, softmax_scale, window_left,
                           window_right, diagonal_offset, softcap, alignment, backend, tiles)
 
@@ -108,8 +108,7 @@ def _gradients(ctx, grad_out, grad_lse, backward):
     q, k, v, out, lse, alibi_slopes, attn_mask = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    if grad_lse is None:
-        grad_lse = torch.zeros_like(lse)
+    # grad_lse stays None when the caller never used lse: the backends skip that term
     # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
     grad_out = unit_last_stride(grad_out)
     dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, *ctx.scalars)
@@ -124,6 +123,7 @@ attention_forward.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(c
 class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)  # an unused lse must not cost a tensor of zeros
         output = _forward_impl(*inputs)
         _save(ctx, inputs, output)
         return output

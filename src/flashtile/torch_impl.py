@@ -207,8 +207,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
                        problem: AttentionProblem, tiles: TorchTiles):
     """Recompute-based backward pass: returns (dq, dk, dv), contiguous, shaped like q, k, v, in their dtype.
 
-    Layouts as in attention_forward; grad_out is shaped like out, grad_lse like lse (either may have
-    any strides, stride 0 included).
+    Layouts as in attention_forward; grad_out is shaped like out, grad_lse like lse or None (zero);
+    either may have any strides, stride 0 included.
     Schedule (FA2 backward): the outer loop walks key blocks, accumulating dK and dV for the block
     locally; the inner loop visits the query blocks that can see it, recomputing P = exp(S - lse)
     and dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse (since d lse / d s = P), and
@@ -221,7 +221,9 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
     # Rows that saw no key have lse = -inf; every score of theirs is masked to -inf, so any finite
     # stand-in gives exp(-inf) = 0 there (never inf - inf = NaN).
     lse_finite = lse.masked_fill(lse == NEG_INF, 0.0).to(ops.acc)
-    delta = (grad_out.to(ops.acc) * out.to(ops.acc)).sum(dim=-1) - grad_lse.to(ops.acc)
+    delta = (grad_out.to(ops.acc) * out.to(ops.acc)).sum(dim=-1)
+    if grad_lse is not None:
+        delta -= grad_lse.to(ops.acc)
     grad_out5 = grad_out.view(b, hk, g, p.seqlen_q, p.headdim_v)
     # The per-row constants (-lse for S, -delta for dP) ride along the matmuls as an extra column
     # of Q / dO against a row of ones in K^T / V^T, saving one pass over every tile. Softcap

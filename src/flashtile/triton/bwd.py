@@ -29,7 +29,8 @@ from .common import key_block_bounds, query_block_bounds, scores
 def attention_bwd_preprocess_kernel(Out, dOut, dLse, Delta,
                                     stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
                                     nheads, seqlen_q,
-                                    HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+                                    HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                                    HAS_DLSE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // nheads).to(tl.int64)
@@ -41,8 +42,9 @@ def attention_bwd_preprocess_kernel(Out, dOut, dLse, Delta,
     rows = offs_m[:, None].to(tl.int64)
     o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_dv[None, :], mask=ok, other=0.0)
     do = tl.load(dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :], mask=ok, other=0.0)
-    dlse = tl.load(dLse + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - dlse
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dLse + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
     tl.store(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=row_ok)
 
 

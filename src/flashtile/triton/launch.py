@@ -122,12 +122,13 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     if p.seqlen_q == 0:  # no query sees any key: no gradient flows to k and v
         return dq, dk.zero_(), dv.zero_()
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
-    grad_lse = grad_lse.float().contiguous()
+    has_dlse = grad_lse is not None
+    grad_lse = grad_lse.float().contiguous() if has_dlse else lse  # never read without HAS_DLSE
     delta = torch.empty_like(lse)
     attention_bwd_preprocess_kernel[(triton.cdiv(p.seqlen_q, 64), p.batch * p.nheads)](
         out, grad_out, grad_lse, delta,
         out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        p.nheads, p.seqlen_q, HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"])
+        p.nheads, p.seqlen_q, HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
     common = (slopes_stride, *mask_strides, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, *scalars)
     if p.seqlen_k > 0:
         attention_bwd_dkdv_kernel[(triton.cdiv(p.seqlen_k, tiles.bwd_block_n), p.batch * p.nheads_k)](
