@@ -120,13 +120,14 @@ def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, sof
 
 
 @triton.jit
-def online_softmax_step(acc, l_i, m_i, s, v, GUARD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def online_softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores s (M, N) and its values v (N, DV) into (acc, l, m).
 
-    GUARD is needed when a row may have seen only masked (-inf) keys so far.
+    With a band mask (MASKED) or a user mask a row may have seen only -inf scores so far.
     """
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if GUARD:
+    if MASKED or MASK_KIND != 0:
         # a row that has seen only masked keys keeps max -inf: shift by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:

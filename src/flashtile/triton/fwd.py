@@ -42,7 +42,7 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND)
         v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
                     mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED or MASK_KIND != 0, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, MASK_KIND, DOT_PRECISION)
     return acc, l_i, m_i
 
 

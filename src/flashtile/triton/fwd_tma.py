@@ -3,10 +3,14 @@
 Q, K, V and the output are read and written through in-kernel tensor descriptors
 (`tl.make_tensor_descriptor`, one 2-D [seqlen, headdim] view per (batch, head)), so the copy engine
 moves whole tiles, zero-fills rows past the end of the sequence and columns past the head dim, and
-clips the store; no per-element pointer or bounds arithmetic is left in the loop. With
-WARP_SPECIALIZE the interior key loop (the unmasked blocks, usually most of them) is split by the
-compiler into a producer warp issuing the TMA copies and consumer warpgroups doing the matmuls and
-the softmax (`tl.range(..., warp_specialize=True)`); the masked edge loops stay ordinary.
+clips the store; no per-element pointer or bounds arithmetic is left in the loop.
+
+Without warp specialization the key loop is split into masked edges and an unmasked interior, as in
+fwd.py. With WARP_SPECIALIZE the compiler splits one key loop into a producer warp issuing the TMA
+copies and consumer warpgroups doing the matmuls and the softmax (`tl.range(..., warp_specialize=True)`);
+its pass rejects a kernel with several loops (triton 3.9, compiled for sm_90: "'scf.for' op operation
+destroyed but still has uses"), so that variant runs a single loop over every visible block and applies
+the element mask on every tile when the problem has a band or a ragged key end (MASK_ALL).
 
 Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
@@ -35,7 +39,7 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, start, end, se
                       softcap_out, slope, diagonal_offset, window_left, window_right, None,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, 0)
         v = v_desc.load([n0, 0])
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, 0, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -52,7 +56,7 @@ def attention_fwd_tma_kernel(
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -81,18 +85,24 @@ def attention_fwd_tma_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, lo, tl.minimum(full_lo, hi),
-                                        seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                                        diagonal_offset, window_left, window_right, BLOCK_N, True, HAS_LEFT,
-                                        HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
-    acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_lo, full_hi,
-                                        seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                                        diagonal_offset, window_left, window_right, BLOCK_N, False, HAS_LEFT,
-                                        HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, WARP_SPECIALIZE)
-    acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_hi, hi,
-                                        seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                                        diagonal_offset, window_left, window_right, BLOCK_N, True, HAS_LEFT,
-                                        HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
+    if WARP_SPECIALIZE:
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, lo, hi,
+                                            seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                                            diagonal_offset, window_left, window_right, BLOCK_N, MASK_ALL, HAS_LEFT,
+                                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True)
+    else:
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, lo, tl.minimum(full_lo, hi),
+                                            seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                                            diagonal_offset, window_left, window_right, BLOCK_N, True, HAS_LEFT,
+                                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_lo, full_hi,
+                                            seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                                            diagonal_offset, window_left, window_right, BLOCK_N, False, HAS_LEFT,
+                                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_hi, hi,
+                                            seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                                            diagonal_offset, window_left, window_right, BLOCK_N, True, HAS_LEFT,
+                                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
 
     out, lse = finish_rows(acc, l_i, m_i)
     o_desc.store([m0, 0], out.to(Out.dtype.element_ty))

@@ -95,7 +95,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             out.stride(0), out.stride(1), out.stride(2),
             slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            WARP_SPECIALIZE=tiles.forward_schedule == 2, **flags)
+            WARP_SPECIALIZE=tiles.forward_schedule == 2,
+            MASK_ALL=problem.is_banded or p.seqlen_k % tiles.block_n != 0, **flags)
         return out, lse
     attention_fwd_kernel[grid](
         q, k, v, out, lse, slopes, mask,

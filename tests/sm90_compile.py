@@ -1,0 +1,69 @@
+"""Compile every Triton kernel for sm_90 (Hopper) on a machine without a GPU, and report what came out.
+
+Run by tests/test_triton_compile.py in a subprocess (TRITON_INTERPRET must be off when the kernels are
+defined). Prints one line per kernel variant: name, whether the PTX uses wgmma, TMA bulk copies and
+warp-specialization register reallocation (setmaxnreg), and the shared memory used. Compiling with
+the installed triton (not the GPU machine's) catches code-generation errors the interpreter cannot.
+"""
+
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashtile.triton.bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+from flashtile.triton.fwd import attention_fwd_kernel
+from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
+
+FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out"}
+
+
+def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = kernel.asm["ptx"]
+    return {"label": label, "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+            "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared}
+
+
+def main():
+    results = []
+    for dtype, headdim, causal in (("bf16", 128, True), ("bf16", 64, False), ("fp16", 72, True), ("fp32", 64, True)):
+        ptr = "*" + dtype
+        width = triton.next_power_of_2(headdim)
+        flags = dict(HEADDIM=headdim, HEADDIM_V=headdim, BLOCK_D=width, BLOCK_DV=width, HAS_LEFT=False,
+                     HAS_RIGHT=causal, HAS_SOFTCAP=not causal, HAS_ALIBI=causal, DOT_PRECISION="ieee")
+        fwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32", "Slopes": "*fp32", "Mask": "*u8"}
+        bwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "dOut": ptr, "Lse": "*fp32", "Delta": "*fp32", "dK": ptr,
+                    "dV": ptr, "dQ": ptr, "Slopes": "*fp32", "Mask": "*u8"}
+        tag = f"{dtype} d{headdim} {'causal' if causal else 'full'}"
+        results.append(compile_variant(f"fwd {tag}", attention_fwd_kernel,
+                                       dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0),
+                                       fwd_ptrs, 8, 3))
+        for schedule in (1, 2):
+            results.append(compile_variant(
+                f"fwd-tma schedule {schedule} {tag}", attention_fwd_tma_kernel,
+                dict(flags, BLOCK_M=128, BLOCK_N=64, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal),
+                {k: v for k, v in fwd_ptrs.items() if k != "Mask"}, 4, 2))
+        results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
+                                       dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
+                                       {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))
+        results.append(compile_variant(f"bwd-dkdv {tag}", attention_bwd_dkdv_kernel,
+                                       dict(flags, BLOCK_M=32, BLOCK_N=64, MASK_KIND=0), bwd_ptrs, 4, 3))
+        results.append(compile_variant(f"bwd-dq {tag}", attention_bwd_dq_kernel,
+                                       dict(flags, BLOCK_M=64, BLOCK_N=32, MASK_KIND=2), bwd_ptrs, 4, 3))
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
