@@ -22,7 +22,7 @@ derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are const
 import triton
 import triton.language as tl
 
-from .common import key_block_bounds, query_block_bounds, scores
+from .common import alibi_slope, key_block_bounds, program_heads, query_block_bounds, scores
 
 
 @triton.jit
@@ -33,8 +33,7 @@ def attention_bwd_preprocess_kernel(Out, dOut, dLse, Delta,
                                     HAS_DLSE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // nheads).to(tl.int64)
-    h = (pid_bh % nheads).to(tl.int64)
+    b, h, _ = program_heads(pid_bh, nheads, 1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < seqlen_q
@@ -109,8 +108,7 @@ def attention_bwd_dkdv_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
-    b = (pid_bhk // nheads_k).to(tl.int64)
-    hk = (pid_bhk % nheads_k).to(tl.int64)
+    b, hk, _ = program_heads(pid_bhk, nheads_k, 1)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -131,9 +129,7 @@ def attention_bwd_dkdv_kernel(
         do_base = dOut + b * stride_dob + h * stride_doh
         row_base = (b * nheads + h) * seqlen_q
         mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[:, None].to(tl.int64) * stride_mask_n
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(Slopes + b * stride_slopes_b + h)
+        slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
@@ -203,9 +199,7 @@ def attention_bwd_dq_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // nheads).to(tl.int64)
-    h = (pid_bh % nheads).to(tl.int64)
-    hk = h // group_size
+    b, h, hk = program_heads(pid_bh, nheads, group_size)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -220,9 +214,7 @@ def attention_bwd_dq_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + b * stride_slopes_b + h)
+    slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)

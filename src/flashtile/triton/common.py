@@ -28,6 +28,26 @@ def tanh(x):
 
 
 @triton.jit
+def program_heads(pid_bh, nheads, group_size):
+    """(batch, head, K/V head) of a program over batch * nheads, as int64 so offsets cannot overflow.
+
+    Grouped-query attention by index arithmetic: head h reads K/V head h // group_size.
+    """
+    b = (pid_bh // nheads).to(tl.int64)
+    h = (pid_bh % nheads).to(tl.int64)
+    return b, h, h // group_size
+
+
+@triton.jit
+def alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI: tl.constexpr):
+    """The (base-2 scaled) ALiBi slope of head h in batch b, or 0 without ALiBi."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_slopes_b + h)
+    return slope
+
+
+@triton.jit
 def key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key blocks for query rows [m0, m0 + BLOCK_M): (lo, full_lo, full_hi, hi).

@@ -20,7 +20,7 @@ for broadcast), int64 offsets. Limitations: no dropout; fp64 is left to the torc
 import triton
 import triton.language as tl
 
-from .common import finish_rows, key_block_bounds, online_softmax_step, scores
+from .common import alibi_slope, finish_rows, key_block_bounds, online_softmax_step, program_heads, scores
 
 
 @triton.jit
@@ -64,9 +64,7 @@ def attention_fwd_kernel(
     tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // nheads).to(tl.int64)
-    h = (pid_bh % nheads).to(tl.int64)
-    hk = h // group_size
+    b, h, hk = program_heads(pid_bh, nheads, group_size)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -77,9 +75,7 @@ def attention_fwd_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + offs_m[:, None].to(tl.int64) * stride_mask_m
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + b * stride_slopes_b + h)
+    slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

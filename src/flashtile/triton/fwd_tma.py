@@ -22,7 +22,7 @@ lse.
 import triton
 import triton.language as tl
 
-from .common import finish_rows, key_block_bounds, online_softmax_step, scores
+from .common import alibi_slope, finish_rows, key_block_bounds, online_softmax_step, program_heads, scores
 
 
 @triton.jit
@@ -60,9 +60,7 @@ def attention_fwd_tma_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // nheads).to(tl.int64)
-    h = (pid_bh % nheads).to(tl.int64)
-    hk = h // group_size
+    b, h, hk = program_heads(pid_bh, nheads, group_size)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
 
@@ -76,9 +74,7 @@ def attention_fwd_tma_kernel(
     o_desc = tl.make_tensor_descriptor(Out + b * stride_ob + h * stride_oh, shape=[seqlen_q, HEADDIM_V],
                                        strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_DV])
     q = q_desc.load([m0, 0])
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + b * stride_slopes_b + h)
+    slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
