@@ -50,11 +50,11 @@ def main():
         results.append(compile_variant(f"fwd {tag}", attention_fwd_kernel,
                                        dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0),
                                        fwd_ptrs, 8, 3))
-        for schedule in (1, 2):
+        for schedule, block_n, warps, stages in ((1, 64, 8, 3), (2, 128, 4, 2)):  # the table's choices
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}", attention_fwd_tma_kernel,
-                dict(flags, BLOCK_M=128, BLOCK_N=64, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal),
-                {k: v for k, v in fwd_ptrs.items() if k != "Mask"}, 4, 2))
+                dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal),
+                {k: v for k, v in fwd_ptrs.items() if k != "Mask"}, warps, stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))

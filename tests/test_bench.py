@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from flashtile.reference import flash_attn_reference
 
 HEADER_KEYS = {"device", "device_name", "driver", "cpu_threads", "torch", "triton", "cuda", "flashtile", "date",
                "dtype", "quick", "tokens_per_batch", "model_width", "seed", "timing", "flops_convention", "ceilings",
-               "datasheet"}
+               "datasheet", "max_call_seconds"}
 CEILING_KEYS = {"matmul_tflops", "matmul_size", "copy_gbps", "copy_bytes"}
 ROW_KEYS = {"provider", "batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "mode", "dtype", "status",
             "reason", "ms", "tflops", "matmul_fraction", "roofline_fraction", "io_model", "peak_mib", "rel_error",
@@ -136,6 +137,19 @@ def test_rows_are_reported_as_they_finish(monkeypatch):
     assert seen == list(range(1, len(result.rows) + 1)) and len(result.rows) == config.row_count
 
 
+def test_a_provider_over_the_call_limit_is_skipped_with_its_time():
+    """A row whose single call exceeds --max-call-seconds says so instead of holding the grid."""
+    config = runner.make_config(device="cpu", quick=True, seqlens="64", causal="no", mode="fwd", providers="naive",
+                                max_call_seconds="1e-9")
+    (row,) = runner.run_benchmark(config).rows
+    assert row.status == "skipped" and row.ms is None
+    assert re.fullmatch(r"one call takes \d+\.\d s, over the limit of 1e-09 s per call \(--max-call-seconds\); "
+                        r"not timed", row.reason), row.reason
+    unlimited = runner.make_config(device="cpu", quick=True, seqlens="64", causal="no", mode="fwd",
+                                   providers="naive", max_call_seconds="0")
+    assert unlimited.max_call_seconds is None and runner.run_benchmark(unlimited).rows[0].status == "ok"
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(37, 70, True), (70, 37, True), (50, 50, True), (40, 60, False)])
 def test_subsample_oracle_matches_full_reference(seqlen_q, seqlen_k, causal):
     batch, nheads, headdim = 2, 3, 8
@@ -220,6 +234,8 @@ def test_full_config_follows_the_flash_attention_convention():
     (dict(causal="maybe"), "--causal"),
     (dict(dtype="fp8"), "--dtype"),
     (dict(device="tpu"), "--device"),
+    (dict(max_call_seconds="-1"), "--max-call-seconds: '-1' must be >= 0"),
+    (dict(max_call_seconds="soon"), "--max-call-seconds: 'soon' is not a number"),
 ])
 def test_bad_values_raise_value_error_naming_the_argument(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment.replace("+", r"\+").replace(".", r"\.")):

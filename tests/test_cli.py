@@ -10,7 +10,7 @@ import sys
 def test_demo_prints_checked_table():
     result = subprocess.run(
         [sys.executable, "-m", "flashtile", "demo", "--batch", "1", "--heads", "2", "--seqlen", "300",
-         "--headdim", "32", "--causal", "--repeats", "1"],
+         "--headdim", "32", "--causal", "--repeats", "1", "--device", "cpu"],
         capture_output=True, text=True, timeout=300, check=True)
     lines = result.stdout.splitlines()
     assert any(line.startswith("flashtile backend: 'torch'") for line in lines), result.stdout

@@ -102,7 +102,8 @@ def bench(args: argparse.Namespace) -> int:
         return _redraw(args, report)
     try:
         config = runner.make_config(device=args.device, dtype=args.dtype, headdim=args.headdim, seqlens=args.seqlens,
-                                    causal=args.causal, mode=args.mode, providers=args.providers, quick=args.quick)
+                                    causal=args.causal, mode=args.mode, providers=args.providers, quick=args.quick,
+                                    max_call_seconds=args.max_call_seconds)
     except ValueError as error:
         print(f"flashtile bench: error: {error}", file=sys.stderr)
         return 2
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true",
                    help="a small grid for CI (cpu: d=64, N=256,512, 1024 tokens, width 256, fwd and fwd+bwd; "
                         "cuda: d=128, N=1k,4k, fwd and fwd+bwd); explicit options still win")
+    b.add_argument("--max-call-seconds", default=None, metavar="S",
+                   help="skip (with the reason in its row) a provider whose single call takes longer than S seconds "
+                        "(default 2; 0 = no limit)")
     b.add_argument("--json", default=None, metavar="PATH", help="write the header and every row to PATH")
     b.add_argument("--plot", default=None, metavar="PATH", help="draw TFLOP/s to a PNG at PATH (needs matplotlib)")
     b.add_argument("--from-json", default=None, metavar="PATH",

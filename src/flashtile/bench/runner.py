@@ -31,6 +31,7 @@ import math
 import platform
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -77,6 +78,8 @@ class _GridDefaults:
     timing: Timing
 
 
+DEFAULT_MAX_CALL_SECONDS = 2.0
+
 _FULL = _GridDefaults(headdims=(64, 128), seqlens=(1024, 4096, 16384), modes=MODES, tokens_per_batch=16384,
                       model_width=2048, timing=Timing(warmup_ms=25, rep_ms=100, cpu_repeats=5))
 # --quick: a CI-sized grid on the CPU; a minutes-sized smoke test on CUDA
@@ -103,6 +106,9 @@ class BenchConfig:
     model_width: int
     timing: Timing
     quick: bool
+    # a provider whose single call takes longer is skipped with that reason (None: no limit): a
+    # float32 reference path at 16k tokens would otherwise hold the grid for minutes per row
+    max_call_seconds: float | None = DEFAULT_MAX_CALL_SECONDS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,12 +140,15 @@ def _int_list(text: str, argument: str, low: int, high: int | None) -> tuple[int
 
 def make_config(*, device: str | None = None, dtype: str | None = None, headdim: str | None = None,
                 seqlens: str | None = None, causal: str = "both", mode: str | None = None,
-                providers: str | None = None, quick: bool = False) -> BenchConfig:
+                providers: str | None = None, quick: bool = False,
+                max_call_seconds: str | float | None = None) -> BenchConfig:
     """Validate the command line's values (strings as typed, None = default) into a BenchConfig.
 
     Defaults: device cuda when available, else cpu; dtype bf16 on cuda, fp32 on cpu; the FlashAttention
     grid (head dims 64,128; seqlens 1024,4096,16384; all modes; 16384 tokens, width 2048), or with
     quick=True a small one (see `_QUICK`). Values given explicitly win over --quick's.
+    max_call_seconds: rows whose single call takes longer are skipped with that reason (default
+    DEFAULT_MAX_CALL_SECONDS; 0 means no limit).
     Raises ValueError naming the argument for any bad value.
     """
     if device is None:
@@ -162,13 +171,24 @@ def make_config(*, device: str | None = None, dtype: str | None = None, headdim:
         if unknown:
             raise ValueError(f"--mode: {unknown[0]!r} is not one of {', '.join(MODES)}")
     names = None if providers is None else [p.strip() for p in providers.split(",")]
+    limit = DEFAULT_MAX_CALL_SECONDS if max_call_seconds is None else _seconds(max_call_seconds)
     return BenchConfig(
         device=torch.device(device), dtype_name=dtype,
         headdims=defaults.headdims if headdim is None else _int_list(headdim, "--headdim", 1, MAX_HEADDIM),
         seqlens=defaults.seqlens if seqlens is None else _int_list(seqlens, "--seqlens", 1, None),
         causal=CAUSAL_CHOICES[causal], modes=modes, providers=tuple(select_providers(names)),
         tokens_per_batch=defaults.tokens_per_batch, model_width=defaults.model_width, timing=defaults.timing,
-        quick=quick)
+        quick=quick, max_call_seconds=limit or None)
+
+
+def _seconds(value: str | float) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--max-call-seconds: {value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"--max-call-seconds: {value!r} must be >= 0 (0 = no limit)")
+    return seconds
 
 
 @dataclass
@@ -325,6 +345,17 @@ def _time_ms(fn: Callable[[], object], device: torch.device, timing: Timing, war
     return median_time_ms(fn, device, repeats=timing.cpu_repeats, warmup=0 if warm else 1)
 
 
+def _one_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock seconds of one call of fn(), device work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def measure_ceilings(device: torch.device, dtype: torch.dtype, timing: Timing) -> Ceilings:
     """Time an n^3 matmul in `dtype` (n = 8192 on CUDA, 2048 on the CPU) and a copy of a tensor
     larger than the caches (1 GiB on CUDA, 256 MiB on the CPU)."""
@@ -392,6 +423,7 @@ def collect_header(config: BenchConfig, ceilings: Ceilings) -> dict:
         "model_width": config.model_width,
         "seed": SEED,
         "timing": config.timing.describe(config.device),
+        "max_call_seconds": config.max_call_seconds,
         "flops_convention": "forward 4*B*H*Sq*Sk*d (x0.5 causal); bwd 2.5x, fwd+bwd 3.5x the forward",
         "ceilings": dataclasses.asdict(ceilings),
         "datasheet": None if datasheet is None else {"peak_tflops": datasheet.peak_flops / 1e12,
@@ -431,6 +463,13 @@ def _measure_row(row: Row, provider: Provider, problem: Problem, sets: list[Inpu
         if not math.isfinite(row.rel_error):
             row.status, row.reason, row.rel_error = "failed", f"{row.error_of} has NaN or inf entries", None
             return
+        if config.max_call_seconds is not None:
+            seconds = _one_call_seconds(timed, device)
+            if seconds > config.max_call_seconds:
+                row.status = "skipped"
+                row.reason = (f"one call takes {seconds:.1f} s, over the limit of {config.max_call_seconds:g} s "
+                              f"per call (--max-call-seconds); not timed")
+                return
         row.ms = _time_ms(timed, device, config.timing, warm=True)
         peak = peak_memory_growth_bytes(timed, device)
         row.peak_mib = None if peak is None else peak / 2**20

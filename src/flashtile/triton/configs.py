@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from .._validate import AttentionProblem
 
 
@@ -32,18 +34,18 @@ class TritonTiles:
     forward_schedule: int = 0  # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py)
 
     def describe(self, problem: AttentionProblem) -> str:
-        schedule = FORWARD_SCHEDULES[self.forward_schedule]
-        return (f"forward ({schedule}) BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps, "
-                f"{self.num_stages} stages; backward BLOCK_M {self.bwd_block_m} x BLOCK_N {self.bwd_block_n}, "
-                f"{self.bwd_num_warps} warps, {self.bwd_num_stages} stages")
+        return (f"forward ({FORWARD_SCHEDULES[self.forward_schedule]}) BLOCK_M {self.block_m} x BLOCK_N "
+                f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages; backward BLOCK_M "
+                f"{self.bwd_block_m} x BLOCK_N {self.bwd_block_n}, {self.bwd_num_warps} warps, "
+                f"{self.bwd_num_stages} stages")
 
 
 FORWARD_SCHEDULES = {
     0: "attention_fwd_kernel, pointer loads",
     1: "attention_fwd_tma_kernel, TMA descriptors, when strides are 16-byte aligned and there is no attn_mask",
-    2: "attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no attn_mask",
+    2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no "
+        "attn_mask (experimental: not bitwise reproducible on an H200 with triton 3.6)"),
 }
-
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
 
@@ -53,12 +55,26 @@ def interpreting() -> bool:
 
 
 def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
-    """The table. capability is the CUDA compute capability, or None under the interpreter."""
+    """The table. capability is the CUDA compute capability, or None under the interpreter.
+
+    Measured on the H200 (BENCHMARKS.md, 2026-11-29 sweeps, bf16, d = 64 and 128, N = 1k..16k):
+    - Hopper forward for fp16/bf16: TMA loads with 8 warps gain 3-8% over the pointer kernel from
+      N = 4k keys; below that the in-kernel descriptor set-up of every program costs more than it
+      saves (up to 30% at N = 1k). The warp-specialized loop (schedule 2) was fastest at d = 128
+      without a band (+19-23%) but, made the default, failed the GPU suite's 30-run determinism
+      test and a ragged GQA accuracy test under triton 3.6, so it is opt-in only.
+    - backward: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys was the best or
+      within 4% of the best of six dK/dV and six dQ tilings at N = 4k and 16k.
+    """
     if capability is None:
         return TritonTiles(16, 16, 1, 1, 16, 16, 1, 1)
     width = max(problem.headdim, problem.headdim_v)
+    hopper_forward = (capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
+                      and problem.seqlen_k >= 4096)
     if width <= 64:
+        if hopper_forward:
+            return TritonTiles(128, 64, 8, 3, 32, 128, 4, 3, forward_schedule=1)
         return TritonTiles(128, 64, 4, 3, 32, 128, 4, 3)
     if width <= 128:
-        return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3)
+        return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=1 if hopper_forward else 0)
     return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)
