@@ -43,25 +43,32 @@ def main():
         width = triton.next_power_of_2(headdim)
         flags = dict(HEADDIM=headdim, HEADDIM_V=headdim, BLOCK_D=width, BLOCK_DV=width, HAS_LEFT=False,
                      HAS_RIGHT=causal, HAS_SOFTCAP=not causal, HAS_ALIBI=causal, DOT_PRECISION="ieee")
-        fwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32", "Slopes": "*fp32", "Mask": "*u8"}
+        fwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32", "Slopes": "*fp32", "Mask": "*u8",
+                    "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
         bwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "dOut": ptr, "Lse": "*fp32", "Delta": "*fp32", "dK": ptr,
-                    "dV": ptr, "dQ": ptr, "Slopes": "*fp32", "Mask": "*u8"}
+                    "dV": ptr, "dQ": ptr, "Slopes": "*fp32", "Mask": "*u8",
+                    "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
         tag = f"{dtype} d{headdim} {'causal' if causal else 'full'}"
-        results.append(compile_variant(f"fwd {tag}", attention_fwd_kernel,
-                                       dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0),
-                                       fwd_ptrs, 8, 3))
+        # packed variable-length sequences in the bf16 d128 variants, dense batches elsewhere
+        varlen = dtype == "bf16" and headdim == 128
+        tag_varlen = tag + (" varlen" if varlen else "")
+        results.append(compile_variant(f"fwd {tag_varlen}", attention_fwd_kernel,
+                                       dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0,
+                                            VARLEN=varlen), fwd_ptrs, 8, 3))
         for schedule, block_n, warps, stages in ((1, 64, 8, 3), (2, 128, 4, 2)):  # the table's choices
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}", attention_fwd_tma_kernel,
                 dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal),
-                {k: v for k, v in fwd_ptrs.items() if k != "Mask"}, warps, stages))
+                {k: v for k, v in fwd_ptrs.items() if k not in ("Mask", "CuSeqlensQ", "CuSeqlensK")}, warps,
+                stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))
-        results.append(compile_variant(f"bwd-dkdv {tag}", attention_bwd_dkdv_kernel,
-                                       dict(flags, BLOCK_M=32, BLOCK_N=64, MASK_KIND=0), bwd_ptrs, 4, 3))
-        results.append(compile_variant(f"bwd-dq {tag}", attention_bwd_dq_kernel,
-                                       dict(flags, BLOCK_M=64, BLOCK_N=32, MASK_KIND=2), bwd_ptrs, 4, 3))
+        results.append(compile_variant(f"bwd-dkdv {tag_varlen}", attention_bwd_dkdv_kernel,
+                                       dict(flags, BLOCK_M=32, BLOCK_N=64, MASK_KIND=0, VARLEN=varlen), bwd_ptrs, 4, 3))
+        results.append(compile_variant(f"bwd-dq {tag_varlen}", attention_bwd_dq_kernel,
+                                       dict(flags, BLOCK_M=64, BLOCK_N=32, MASK_KIND=0 if varlen else 2,
+                                            VARLEN=varlen), bwd_ptrs, 4, 3))
     json.dump(results, sys.stdout)
 
 

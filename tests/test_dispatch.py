@@ -83,7 +83,7 @@ def test_explain_describes_the_call(tensors):
     q, k, v = (t.cpu() for t in tensors)
     slopes = torch.rand(2)
     text = flashtile.explain(q, k, v, causal=True, window_size=(4, -1), softcap=3.0, alibi_slopes=slopes)
-    for fragment in ("backend: 'torch'", "batch 1, nheads 2 (nheads_k 1)", "seqlen_q 20", "seqlen_k 30",
+    for fragment in ("backend: 'torch'", "batch 1, seqlen_q 20, seqlen_k 30", "nheads 2 (nheads_k 1)",
                      "headdim 16, headdim_v 8", "float32 on cpu", "window_size=(4, 0)", "bottom-right",
                      "softcap 3", "ALiBi", "tiles visited", "float32 accumulation"):
         assert fragment in text, f"{fragment!r} missing from:\n{text}"

@@ -95,3 +95,48 @@ def test_128k_tokens_one_head_forward_backward_in_linear_memory(seed):
     eager = flash_attn_reference(q[:, rows].detach(), k.detach(), v.detach(), causal=True, dtype=torch.bfloat16)[0]
     assert_close_to_oracle("out (last 64 rows)", out[:, rows], ref, eager, torch.bfloat16, seed)
     assert all(g.isfinite().all() for g in (dq, dk, dv))
+
+
+def _packed(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype):
+    def cu(lengths):
+        return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+    q, k, v = random_qkv(1, sum(lengths_q), sum(lengths_k), nheads, nheads_k, headdim, headdim, dtype,
+                         requires_grad=True)
+    q, k, v = (t[0].detach().requires_grad_() for t in (q, k, v))
+    return q, k, v, cu(lengths_q), cu(lengths_k)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_varlen_realistic_mixed_lengths(causal, dtype, seed):
+    lengths_q = [1, 700, 2049, 0, 333, 1500]
+    lengths_k = [900, 700, 2049, 65, 0, 1800]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, 128, dtype)
+    with flashtile.use_backend("triton"):
+        out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2049, 2049, causal=causal, return_lse=True)
+        grad_out = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_out, ref_lse = flashtile.reference.flash_attn_varlen_reference(q, k, v, cu_q, cu_k, causal=causal)
+    eager_out, eager_lse = flashtile.reference.flash_attn_varlen_reference(q, k, v, cu_q, cu_k, causal=causal,
+                                                                            dtype=dtype)
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
+    want = torch.autograd.grad(ref_out, (q, k, v), grad_out.double())
+    eager = torch.autograd.grad(eager_out, (q, k, v), grad_out)
+    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
+        assert_close_to_oracle(name, g, w, e, dtype, seed)
+
+
+def test_varlen_never_synchronises_so_cuda_graphs_capture_it():
+    """No .item() / .tolist() on the GPU path: the call can be captured in a CUDA graph and replayed."""
+    q, k, v, cu_q, cu_k = _packed([100, 3, 517], [100, 40, 600], 4, 4, 64, torch.bfloat16)
+    q, k, v = (t.detach() for t in (q, k, v))
+    with flashtile.use_backend("triton"):
+        expected = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 517, 600, causal=True)  # compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 517, 600, causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected)

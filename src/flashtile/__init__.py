@@ -2,6 +2,7 @@
 
 Public API:
     flash_attn_func                flash-attn's signature and layout, bottom-right causal alignment
+    flash_attn_varlen_func         the same over packed variable-length sequences (cu_seqlens)
     scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                        what a call would run (backend, kernel, tiles) and why
     use_backend                    context manager choosing the backend ("auto", "torch", "triton")
@@ -10,7 +11,7 @@ Public API:
 
 from . import reference
 from ._dispatch import BackendUnavailableError, use_backend
-from .interface import Explanation, explain, flash_attn_func, scaled_dot_product_attention
+from .interface import Explanation, explain, flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "Explanation",
     "explain",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "reference",
     "scaled_dot_product_attention",
     "use_backend",

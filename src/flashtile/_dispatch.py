@@ -70,10 +70,17 @@ class TorchBackend:
         return (f"{tiles.describe(problem)}; {visited} of {full} tiles visited per (batch, K/V head) "
                 f"({masked} with an element mask)")
 
-    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles):
+    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None):
+        if problem.varlen:
+            return torch_impl.varlen_attention_forward(q, k, v, alibi_slopes, problem, tiles, cu_seqlens_q,
+                                                       cu_seqlens_k)
         return torch_impl.attention_forward(q, k, v, alibi_slopes, attn_mask, problem, tiles)
 
-    def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles):
+    def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
+                 cu_seqlens_q=None, cu_seqlens_k=None):
+        if problem.varlen:
+            return torch_impl.varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes,
+                                                        problem, tiles, cu_seqlens_q, cu_seqlens_k)
         return torch_impl.attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes,
                                              attn_mask, problem, tiles)
 
@@ -127,15 +134,17 @@ class TritonBackend:
         return (f"{tiles.describe(problem)}; forward visits {visited} of {full} tiles per (batch, head) "
                 f"({masked} with an element mask)")
 
-    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles):
+    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None):
         from .triton import launch  # kernels are compiled (or interpreted) on first use
 
-        return launch.forward(q, k, v, alibi_slopes, attn_mask, problem, tiles)
+        return launch.forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k)
 
-    def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles):
+    def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
+                 cu_seqlens_q=None, cu_seqlens_k=None):
         from .triton import launch
 
-        return launch.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles)
+        return launch.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
+                               cu_seqlens_q, cu_seqlens_k)
 
 
 BACKENDS = {"torch": TorchBackend(), "triton": TritonBackend()}

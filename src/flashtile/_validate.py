@@ -51,6 +51,10 @@ class AttentionProblem:
     softcap: float
     has_alibi: bool
     mask_kind: str | None  # None, "bool" (True = attend) or "additive"
+    # packed variable-length sequences (flash_attn_varlen_func): batch is the number of sequences,
+    # seqlen_q / seqlen_k are the caller's max_seqlen hints, and each sequence's own lengths (and
+    # bottom-right diagonal offset) come from cu_seqlens at run time
+    varlen: bool = False
 
     @property
     def group_size(self) -> int:
@@ -169,7 +173,8 @@ def _check_window(window_size: object, causal: bool) -> tuple[int, int]:
     return left, right
 
 
-def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.device) -> torch.Tensor | None:
+def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.device,
+                 batch_name: str = "batch") -> torch.Tensor | None:
     """Return slopes as (batch or 1, nheads), or None."""
     if alibi_slopes is None:
         return None
@@ -183,7 +188,7 @@ def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.de
     elif tuple(slopes.shape) != (batch, nheads):
         raise ValueError(
             f"alibi_slopes has shape {tuple(slopes.shape)}; it must be (nheads,) = ({nheads},) or "
-            f"(batch, nheads) = ({batch}, {nheads})")
+            f"({batch_name}, nheads) = ({batch}, {nheads})")
     if slopes.requires_grad and torch.is_grad_enabled():
         raise ValueError("alibi_slopes requires grad, but flashtile does not differentiate with respect to "
                          "ALiBi slopes; pass alibi_slopes.detach()")
@@ -200,6 +205,9 @@ class PreparedCall:
     alibi_slopes: torch.Tensor | None  # (batch or 1, nheads)
     attn_mask: torch.Tensor | None  # 4-D, broadcastable to (batch, nheads, seqlen_q, seqlen_k)
     problem: AttentionProblem
+    # packed sequences: q, k, v are (1, total, heads, dim) and these int32 (nseq + 1,) offsets split them
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
 
 
 def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -244,6 +252,95 @@ def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size
         window_left=left, window_right=right, diagonal_offset=seqlen_k - seqlen_q, alignment="bottom-right", softcap=cap,
         has_alibi=slopes is not None, mask_kind=None)
     return PreparedCall(*(unit_last_stride(t) for t in (q, k, v)), alibi_slopes=slopes, attn_mask=None, problem=problem)
+
+
+def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, device: torch.device) -> int:
+    """Validate one cu_seqlens tensor; returns the number of sequences.
+
+    On the CPU every rule is checked, except while torch.compile traces (the values are not known
+    then). On a GPU only dtype, shape and device are (checking the values would copy them to the host
+    and wait for the GPU on every call); values that break the rules there are the caller's error,
+    with undefined results.
+    """
+    cu = _require_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (cumulative sequence lengths), got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (nseq + 1,) with nseq >= 0, got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+        steps = [b - a for a, b in zip(values, values[1:])]
+        if any(step < 0 for step in steps):
+            i = next(i for i, step in enumerate(steps) if step < 0)
+            raise ValueError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {values[i + 1]} < "
+                             f"{name}[{i}] = {values[i]}")
+        if values[-1] != total:
+            raise ValueError(f"{name}[-1] must equal {total_name} = {total} (every row in exactly one sequence), "
+                             f"got {values[-1]}")
+    return cu.shape[0] - 1
+
+
+def _check_max_seqlen(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p,
+                              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                              return_attn_probs, return_lse) -> PreparedCall:
+    """Validate `flash_attn_varlen_func` arguments; q, k, v come back as (1, total, heads, dim) views."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _require_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have rank 3 (total_tokens, nheads, headdim), got shape {tuple(t.shape)}")
+    _check_qkv_dtypes_devices(("q", "k", "v"), (q, k, v))
+    total_q, nheads, headdim = q.shape
+    total_k, nheads_k, headdim_k = k.shape
+    total_v, nheads_v, headdim_v = v.shape
+    if headdim_k != headdim:
+        raise ValueError(f"q has head dim {headdim} but k has {headdim_k}; q and k head dims must match")
+    if total_v != total_k:
+        raise ValueError(f"k has {total_k} tokens but v has {total_v}; k and v must have the same tokens")
+    if nheads_v != nheads_k:
+        raise ValueError(f"k has {nheads_k} heads but v has {nheads_v}; k and v must have the same heads")
+    _check_headdims(headdim, headdim_v, "q", "v")
+    _check_heads(nheads, nheads_k, "q", "k")
+    nseq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (q.shape[0])", q.device)
+    nseq_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (k.shape[0])", q.device)
+    if nseq_k != nseq:
+        raise ValueError(f"cu_seqlens_q describes {nseq} sequences but cu_seqlens_k describes {nseq_k}; "
+                         f"they must have the same length")
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_dropout(dropout_p)
+    _require_bool("causal", causal)
+    _require_bool("deterministic", deterministic)
+    _require_bool("return_lse", return_lse)
+    if _require_bool("return_attn_probs", return_attn_probs):
+        raise NotImplementedError(
+            "return_attn_probs=True would materialise the probability matrices, which flashtile never builds; "
+            "use flashtile.reference for inspection, or return_lse=True")
+    scale = _check_scale(softmax_scale, "softmax_scale", headdim)
+    left, right = _check_window(window_size, causal)
+    cap = _require_real("softcap", softcap)
+    if cap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
+    slopes = _check_alibi(alibi_slopes, nseq, nheads, q.device, batch_name="nseq")
+    problem = AttentionProblem(
+        batch=nseq, nheads=nheads, nheads_k=nheads_k, seqlen_q=max_q, seqlen_k=max_k, headdim=headdim,
+        headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
+        window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap,
+        has_alibi=slopes is not None, mask_kind=None, varlen=True)
+    packed = (unit_last_stride(t).unsqueeze(0) for t in (q, k, v))
+    return PreparedCall(*packed, alibi_slopes=slopes, attn_mask=None, problem=problem,
+                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
 
 
 def _check_attn_mask(attn_mask: object, full_shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:

@@ -27,52 +27,62 @@ from torch.autograd.function import once_differentiable
 from ._dispatch import BACKENDS
 from ._validate import AttentionProblem, PreparedCall, unit_last_stride
 
-# the operator's non-tensor arguments, after q, k, v, alibi_slopes, attn_mask
-_SCALARS = ("softmax_scale", "window_left", "window_right", "diagonal_offset", "softcap", "alignment", "backend",
-            "tiles")
+# the operator's tensor arguments after q, k, v: optional ones that get no gradient
+_NO_GRAD_TENSORS = ("alibi_slopes", "attn_mask", "cu_seqlens_q", "cu_seqlens_k")
+# then its non-tensor arguments
+_SCALARS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right", "diagonal_offset",
+            "softcap", "alignment", "backend", "tiles")
 
 
-def _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset, softcap,
-             alignment) -> AttentionProblem:
+def _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+             window_right, diagonal_offset, softcap, alignment) -> AttentionProblem:
     batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    if cu_seqlens_q is not None:  # packed sequences: (1, total, heads, dim); batch = number of sequences
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
     return AttentionProblem(
-        batch=batch, nheads=nheads, nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], headdim=headdim,
+        batch=batch, nheads=nheads, nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim,
         headdim_v=v.shape[3], dtype=q.dtype, device=q.device, softmax_scale=softmax_scale, window_left=window_left,
         window_right=window_right, diagonal_offset=diagonal_offset, alignment=alignment, softcap=softcap,
         has_alibi=alibi_slopes is not None,
-        mask_kind=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive"))
+        mask_kind=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive"),
+        varlen=cu_seqlens_q is not None)
 
 
-def _forward_impl(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
-                  softcap, alignment, backend, tiles):
-    problem = _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
-                       softcap, alignment)
+def _forward_impl(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
+    problem = _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                       window_left, window_right, diagonal_offset, softcap, alignment)
     chosen = BACKENDS[backend]
-    return chosen.forward(q, k, v, alibi_slopes, attn_mask, problem, chosen.tiles_from_list(tiles))
+    return chosen.forward(q, k, v, alibi_slopes, attn_mask, problem, chosen.tiles_from_list(tiles),
+                          cu_seqlens_q, cu_seqlens_k)
 
 
-def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, softmax_scale, window_left,
-                   window_right, diagonal_offset, softcap, alignment, backend, tiles):
-    problem = _problem(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
-                       softcap, alignment)
+def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
+                   max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, diagonal_offset, softcap,
+                   alignment, backend, tiles):
+    problem = _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                       window_left, window_right, diagonal_offset, softcap, alignment)
     chosen = BACKENDS[backend]
     return chosen.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
-                           chosen.tiles_from_list(tiles))
+                           chosen.tiles_from_list(tiles), cu_seqlens_q, cu_seqlens_k)
 
 
 @torch.library.custom_op("flashtile::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
-                      attn_mask: Optional[torch.Tensor], softmax_scale: float, window_left: int, window_right: int,
-                      diagonal_offset: int, softcap: float, alignment: str, backend: str,
-                      tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (batch, seqlen_q, nheads, headdim_v) in q's dtype; lse (batch, nheads, seqlen_q) in the accumulation dtype."""
-    return _forward_impl(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset,
-                         softcap, alignment, backend, tiles)
+                      attn_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                      cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                      softmax_scale: float, window_left: int, window_right: int, diagonal_offset: int, softcap: float,
+                      alignment: str, backend: str, tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (batch, seqlen_q, nheads, headdim_v) in q's dtype; lse (batch, nheads, seqlen_q) in the accumulation
+    dtype. Packed sequences (cu_seqlens given): q (1, total_q, ...), out (1, total_q, ...), lse (1, nheads, total_q)."""
+    return _forward_impl(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles)
 
 
 @attention_forward.register_fake
-def _(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right, diagonal_offset, softcap,
-      alignment, backend, tiles):
+def _(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
     batch, seqlen_q, nheads, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (q.new_empty(batch, seqlen_q, nheads, v.shape[3]), q.new_empty(batch, nheads, seqlen_q, dtype=acc))
@@ -81,38 +91,40 @@ def _(q, k, v, alibi_slopes, attn_mask, softmax_scale, window_left, window_right
 @torch.library.custom_op("flashtile::attention_backward", mutates_args=())
 def attention_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
-                       attn_mask: Optional[torch.Tensor], softmax_scale: float, window_left: int, window_right: int,
-                       diagonal_offset: int, softcap: float, alignment: str, backend: str,
+                       attn_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                       cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                       softmax_scale: float, window_left: int, window_right: int, diagonal_offset: int,
+                       softcap: float, alignment: str, backend: str,
                        tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv: contiguous, shaped like q, k, v, in their dtype. grad_lse None means zero."""
-    return _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, softmax_scale, window_left,
-                          window_right, diagonal_offset, softcap, alignment, backend, tiles)
+    return _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, diagonal_offset,
+                          softcap, alignment, backend, tiles)
 
 
 @attention_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, softmax_scale, window_left, window_right,
-      diagonal_offset, softcap, alignment, backend, tiles):
+def _(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, alibi_slopes, attn_mask = inputs[:5]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask)
-    ctx.scalars = inputs[5:]
+    ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:3 + len(_NO_GRAD_TENSORS)])
+    ctx.scalars = inputs[3 + len(_NO_GRAD_TENSORS):]
 
 
 def _gradients(ctx, grad_out, grad_lse, backward):
     """The autograd formula shared by both paths; `backward` is _backward_impl or the custom op."""
-    q, k, v, out, lse, alibi_slopes, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, *no_grad_tensors = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     # grad_lse stays None when the caller never used lse: the backends skip that term
     # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
     grad_out = unit_last_stride(grad_out)
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, *ctx.scalars)
-    return (dq, dk, dv) + (None,) * (2 + len(_SCALARS))
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *no_grad_tensors, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * (len(_NO_GRAD_TENSORS) + len(_SCALARS))
 
 
 attention_forward.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, grad_lse,
@@ -137,11 +149,13 @@ class _EagerAttention(torch.autograd.Function):
 def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `call` on backend `backend` with `tiles` (from _dispatch.resolve).
 
-    Returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32.
+    Returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32; for packed
+    sequences out (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q).
     """
     p = call.problem
-    inputs = (call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, p.softmax_scale, p.window_left,
-              p.window_right, p.diagonal_offset, p.softcap, p.alignment, backend, list(tiles))
+    inputs = (call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, call.cu_seqlens_q, call.cu_seqlens_k,
+              p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.diagonal_offset, p.softcap,
+              p.alignment, backend, list(tiles))
     if torch.compiler.is_compiling():
         out, lse = attention_forward(*inputs)
     else:

@@ -25,7 +25,7 @@ and for seqlen_q = 5, seqlen_k = 2, causal:
 from __future__ import annotations
 
 from . import _dispatch
-from ._validate import PreparedCall, prepare_flash_attn, prepare_sdpa
+from ._validate import PreparedCall, prepare_flash_attn, prepare_flash_attn_varlen, prepare_sdpa
 from .autograd import attention
 
 
@@ -68,6 +68,45 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return (out, lse) if return_lse else out
 
 
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, *, return_lse=False):
+    """Attention over packed variable-length sequences, with flash-attn's signature (no padding).
+
+    Args:
+        q: (total_q, nheads, headdim), the query rows of every sequence one after another.
+        k: (total_k, nheads_k, headdim); v: (total_k, nheads_k, headdim_v); same dtype and device.
+        cu_seqlens_q, cu_seqlens_k: int32 (nseq + 1,) on q's device: sequence i owns query rows
+            cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 and key rows cu_seqlens_k[i] .. cu_seqlens_k[i + 1] - 1.
+            Each starts at 0, never decreases and ends at total_q / total_k; zero-length sequences are
+            allowed. Checked on CPU tensors; on a GPU only dtype, shape and device are checked (reading the
+            values would synchronise every call), and offsets that break the rules give undefined results.
+        max_seqlen_q, max_seqlen_k: ints >= 0, hints for the GPU grid (the longest sequence is the right
+            value); results never depend on them, and nothing is read back from the GPU to check them.
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+        return_lse: as in `flash_attn_func`, applied to each sequence on its own; causal and windows are
+            bottom-right aligned per sequence (a sequence's last query row sees its last key).
+        alibi_slopes: (nheads,) or (nseq, nheads).
+
+    Returns:
+        out (total_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) with lse
+        (nheads, total_q) float32. Rows that see no key (including every row of a sequence with no keys)
+        get out 0, lse -inf and zero gradients; keys of a sequence with no queries get zero gradients.
+        The work is proportional to each sequence's own length (programs of short sequences exit early).
+
+    Raises:
+        TypeError / ValueError naming the argument and the rule; NotImplementedError for dropout_p > 0 or
+        return_attn_probs=True; BackendUnavailableError as for flash_attn_func.
+    """
+    call = prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                     deterministic=deterministic, return_attn_probs=return_attn_probs,
+                                     return_lse=return_lse)
+    out, lse = attention(call, *_dispatch.resolve(call.problem))
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention`, computed by flashtile.
@@ -103,17 +142,20 @@ class Explanation(str):
 def explain(q, k, v, *, api="flash_attn_func", **kwargs) -> Explanation:
     """Describe the backend, kernel and tiles a call with these arguments would run, and why.
 
-    Takes the same arguments as `flash_attn_func` (or, with api="scaled_dot_product_attention",
-    as that function). Computes nothing. If the call would raise, the description names the error
+    Takes the same arguments as `flash_attn_func` (or, with api="flash_attn_varlen_func" or
+    api="scaled_dot_product_attention", as that function; pass cu_seqlens_* and max_seqlen_* by keyword). Computes nothing. If the call would raise, the description names the error
     instead of raising it.
     """
     try:
         if api == "flash_attn_func":
             call: PreparedCall = prepare_flash_attn(q, k, v, **_flash_defaults(kwargs))
+        elif api == "flash_attn_varlen_func":
+            call = prepare_flash_attn_varlen(q, k, v, **_flash_varlen_defaults(kwargs))
         elif api == "scaled_dot_product_attention":
             call, _ = prepare_sdpa(q, k, v, **_sdpa_defaults(kwargs))
         else:
-            raise ValueError(f"api must be 'flash_attn_func' or 'scaled_dot_product_attention', got {api!r}")
+            raise ValueError(f"api must be 'flash_attn_func', 'flash_attn_varlen_func' or "
+                             f"'scaled_dot_product_attention', got {api!r}")
         chosen = _dispatch.plan(call.problem)
     except (TypeError, ValueError, NotImplementedError, _dispatch.BackendUnavailableError) as error:
         return Explanation(f"this call would raise {type(error).__name__}: {error}")
@@ -121,15 +163,28 @@ def explain(q, k, v, *, api="flash_attn_func", **kwargs) -> Explanation:
     lines = [
         f"backend: {chosen.backend.name!r} — {chosen.backend.kernel}",
         f"why: {chosen.reason}",
-        f"problem: batch {p.batch}, nheads {p.nheads} (nheads_k {p.nheads_k}), seqlen_q {p.seqlen_q}, "
-        f"seqlen_k {p.seqlen_k}, headdim {p.headdim}, headdim_v {p.headdim_v}, {str(p.dtype).replace('torch.', '')} "
-        f"on {p.device}",
+        f"problem: {_describe_batch(p)}, nheads {p.nheads} (nheads_k {p.nheads_k}), headdim {p.headdim}, "
+        f"headdim_v {p.headdim_v}, {str(p.dtype).replace('torch.', '')} on {p.device}",
         f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()}",
         f"tiles: {chosen.backend.describe_tiles(p, chosen.tiles)}",
         f"arithmetic: {str(p.accumulation_dtype).replace('torch.', '')} accumulation; backward recomputes "
         f"probabilities from the saved log-sum-exp (no seqlen_q x seqlen_k tensor is stored)",
     ]
     return Explanation("\n".join(lines))
+
+
+def _describe_batch(p) -> str:
+    if p.varlen:
+        return (f"{p.batch} packed sequences (max_seqlen_q {p.seqlen_q}, max_seqlen_k {p.seqlen_k}: grid hints; "
+                f"each sequence's work follows its own length)")
+    return f"batch {p.batch}, seqlen_q {p.seqlen_q}, seqlen_k {p.seqlen_k}"
+
+
+def _flash_varlen_defaults(kwargs: dict) -> dict:
+    defaults = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    deterministic=False, return_attn_probs=False, return_lse=False)
+    return _merge("flash_attn_varlen_func", defaults, kwargs)
 
 
 def _flash_defaults(kwargs: dict) -> dict:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-__all__ = ["attention_reference", "flash_attn_reference", "sdpa_reference"]
+__all__ = ["attention_reference", "flash_attn_reference", "flash_attn_varlen_reference", "sdpa_reference"]
 
 
 def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), diagonal_offset=0, softcap=0.0,
@@ -63,7 +63,10 @@ def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), di
 
     # softmax written out so that fully masked rows give 0 (not NaN) in both passes
     masked = scores.masked_fill(~allowed, float("-inf"))
-    row_max = masked.amax(dim=-1, keepdim=True).detach()
+    if seqlen_k == 0:  # no keys at all: amax has nothing to reduce
+        row_max = torch.zeros(batch, nheads, seqlen_q, 1, dtype=dtype, device=q.device)
+    else:
+        row_max = masked.amax(dim=-1, keepdim=True).detach()
     row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
     weights = torch.exp(masked - row_max)
     total = weights.sum(dim=-1, keepdim=True)
@@ -90,6 +93,32 @@ def flash_attn_reference(q, k, v, softmax_scale=None, causal=False, window_size=
                                    diagonal_offset=k.shape[1] - q.shape[1], softcap=softcap,
                                    alibi_slopes=alibi_slopes, dtype=dtype)
     return out.transpose(1, 2), lse
+
+
+def flash_attn_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dtype=torch.float64):
+    """Oracle for `flashtile.flash_attn_varlen_func`: each packed sequence on its own, bottom-right aligned.
+
+    q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]), cu_seqlens_* (nseq + 1,);
+    alibi_slopes (nheads,) or (nseq, nheads). Returns (out (total_q, nheads, headdim_v), lse
+    (nheads, total_q)) in `dtype`; rows of a sequence with no keys get out 0 and lse -inf.
+    """
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for i in range(len(starts_q) - 1):
+        rows_q, rows_k = slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], starts_k[i + 1])
+        slopes = alibi_slopes
+        if alibi_slopes is not None and alibi_slopes.dim() == 2:
+            slopes = alibi_slopes[i:i + 1]
+        out, lse = flash_attn_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale=softmax_scale,
+                                        causal=causal, window_size=window_size, softcap=softcap,
+                                        alibi_slopes=slopes, dtype=dtype)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if not outs:  # no sequences: empty results, still connected to q for autograd
+        empty = q.to(dtype)[:, :, :1] * 0
+        return empty.expand(-1, -1, v.shape[2]), empty[:, :, 0].t()
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 def sdpa_reference(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,

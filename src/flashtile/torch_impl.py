@@ -20,7 +20,7 @@ laid out (batch * nheads_k, seqlen_k, headdim) in the accumulation dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -284,4 +284,55 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
     for index, i0 in enumerate(range(0, p.seqlen_q, tiles.block_q)):
         i1 = min(i0 + tiles.block_q, p.seqlen_q)
         dq[:, i0:i1] = _rows_to_block(ops, dq_blocks[index].mul_(p.softmax_scale), i0, i1)
+    return dq, dk, dv
+
+
+def _sequences(problem: AttentionProblem, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """Per packed sequence: (index, query rows, key rows, its dense AttentionProblem, bottom-right aligned)."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # the host path reads the offsets once
+    for index in range(problem.batch):
+        rows_q = slice(starts_q[index], starts_q[index + 1])
+        rows_k = slice(starts_k[index], starts_k[index + 1])
+        length_q, length_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+        yield index, rows_q, rows_k, replace(problem, batch=1, seqlen_q=length_q, seqlen_k=length_k,
+                                             diagonal_offset=length_k - length_q, varlen=False)
+
+
+def _sequence_slopes(alibi_slopes: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    if alibi_slopes is None or alibi_slopes.shape[0] == 1:
+        return alibi_slopes
+    return alibi_slopes[index:index + 1]
+
+
+def varlen_attention_forward(q, k, v, alibi_slopes, problem: AttentionProblem, tiles: TorchTiles,
+                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """Packed sequences, one dense tiled forward per sequence (work follows the real lengths).
+
+    q (1, total_q, nheads, headdim), k / v (1, total_k, nheads_k, headdim[_v]); problem.batch is the
+    number of sequences. Returns out (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q).
+    """
+    out = torch.zeros(1, q.shape[1], problem.nheads, problem.headdim_v, dtype=problem.dtype, device=problem.device)
+    lse = torch.full((1, problem.nheads, q.shape[1]), NEG_INF, dtype=problem.accumulation_dtype,
+                     device=problem.device)
+    for index, rows_q, rows_k, sequence in _sequences(problem, cu_seqlens_q, cu_seqlens_k):
+        if sequence.seqlen_q == 0:
+            continue
+        out[:, rows_q], lse[:, :, rows_q] = attention_forward(
+            q[:, rows_q], k[:, rows_k], v[:, rows_k], _sequence_slopes(alibi_slopes, index), None, sequence, tiles)
+    return out, lse
+
+
+def varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, problem: AttentionProblem,
+                              tiles: TorchTiles, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """Backward of varlen_attention_forward: (dq, dk, dv) in the packed layout; keys no query sees get 0."""
+    dq = torch.zeros(q.shape, dtype=problem.dtype, device=problem.device)
+    dk = torch.zeros(k.shape, dtype=problem.dtype, device=problem.device)
+    dv = torch.zeros(v.shape, dtype=problem.dtype, device=problem.device)
+    for index, rows_q, rows_k, sequence in _sequences(problem, cu_seqlens_q, cu_seqlens_k):
+        if sequence.seqlen_q == 0:
+            continue
+        dq[:, rows_q], dk[:, rows_k], dv[:, rows_k] = attention_backward(
+            grad_out[:, rows_q], None if grad_lse is None else grad_lse[:, :, rows_q], q[:, rows_q], k[:, rows_k],
+            v[:, rows_k], out[:, rows_q], lse[:, :, rows_q], _sequence_slopes(alibi_slopes, index), None, sequence,
+            tiles)
     return dq, dk, dv

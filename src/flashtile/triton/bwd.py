@@ -14,6 +14,10 @@ Three kernels:
 dQ in its own kernel (instead of atomics from the dK/dV kernel) costs two extra matmuls per tile
 but makes every gradient bitwise reproducible.
 
+Packed variable-length batches (VARLEN) work as in fwd.py: batch entry b is sequence b of the
+packed tensors, and each program loops over its sequence's real blocks. The preprocess kernel needs
+no sequence boundaries (rows are independent): it sees the packed batch as one long sequence.
+
 Both loops skip blocks outside the causal / window band and use the element mask only on blocks
 that straddle an edge (common.query_block_bounds / key_block_bounds). Softcap multiplies dS by the
 derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are constants.
@@ -22,7 +26,7 @@ derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are const
 import triton
 import triton.language as tl
 
-from .common import alibi_slope, key_block_bounds, program_heads, query_block_bounds, scores
+from .common import alibi_slope, key_block_bounds, program_heads, query_block_bounds, scores, sequence_bounds
 
 
 @triton.jit
@@ -90,34 +94,25 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm,
 
 
 @triton.jit
-def attention_bwd_dkdv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
-    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    nheads, nheads_k, group_size, seqlen_q, seqlen_k,
-    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
-    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
-    b, hk, _ = program_heads(pid_bhk, nheads_k, 1)
-    n0 = pid_n * BLOCK_N
+def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, q_start,
+                    stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
+                    stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
+                    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                    group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
+                    diagonal_offset, window_left, window_right,
+                    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """dK and dV of keys [n0, n0 + BLOCK_N) of one (batch entry, K/V head); the pointers are at the entry's row 0."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     key_ok = offs_n < seqlen_k
     cols = offs_n[:, None].to(tl.int64)
-    k = tl.load(K + b * stride_kb + hk * stride_kh + cols * stride_kn + offs_d[None, :],
+    k = tl.load(K + hk * stride_kh + cols * stride_kn + offs_d[None, :],
                 mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + cols * stride_vn + offs_dv[None, :],
+    v = tl.load(V + hk * stride_vh + cols * stride_vn + offs_dv[None, :],
                 mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -125,30 +120,79 @@ def attention_bwd_dkdv_kernel(
                                                   window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for g in range(0, group_size):
         h = hk * group_size + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = dOut + b * stride_dob + h * stride_doh
-        row_base = (b * nheads + h) * seqlen_q
+        q_base = Q + h * stride_qh
+        do_base = dOut + h * stride_doh
+        row_base = b * stride_lse_b + h * stride_lse_h + q_start
         mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[:, None].to(tl.int64) * stride_mask_n
         slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
-                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                              window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                              HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
+                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                              HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
-                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                              window_right, HEADDIM, HEADDIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                              HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
+                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
+                              HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
-                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                              window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                              HAS_ALIBI, MASK_KIND, DOT_PRECISION)
-    tl.store(dK + b * stride_dkb + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
+                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
+                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                              HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    tl.store(dK + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(dK.dtype.element_ty), mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM))
-    tl.store(dV + b * stride_dvb + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
+    tl.store(dV + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
              dv.to(dV.dtype.element_ty), mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+
+
+@triton.jit
+def attention_bwd_dkdv_kernel(
+    Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h,
+    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_k,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    b, hk, _ = program_heads(pid_bhk, nheads_k, 1)
+    q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
+        CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
+    q_ptr = Q + b * stride_qb + q_start * stride_qm
+    k_ptr = K + b * stride_kb + k_start * stride_kn
+    v_ptr = V + b * stride_vb + k_start * stride_vn
+    do_ptr = dOut + b * stride_dob + q_start * stride_dom
+    dk_ptr = dK + b * stride_dkb + k_start * stride_dkn
+    dv_ptr = dV + b * stride_dvb + k_start * stride_dvn
+    if VARLEN:
+        # the grid covers max_seqlen_k, a hint: a longer sequence's extra blocks are taken in turn
+        for n0 in range(pid_n * BLOCK_N, seqlen_k, tl.num_programs(0) * BLOCK_N):
+            _dkdv_key_block(n0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b, hk,
+                            q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
+                            stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
+                            stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                            group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
+                            diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
+                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    else:
+        _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b,
+                        hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
+                        stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
+                        stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                        group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
+                        diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
+                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
 
 
 @triton.jit
@@ -182,37 +226,29 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mas
 
 
 @triton.jit
-def attention_bwd_dq_kernel(
-    Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dqb, stride_dqm, stride_dqh,
-    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    nheads, group_size, seqlen_q, seqlen_k,
-    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
-    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h, hk = program_heads(pid_bh, nheads, group_size)
-    m0 = pid_m * BLOCK_M
+def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q_start,
+                    stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
+                    stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
+                    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                    seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
+                    diagonal_offset, window_left, window_right,
+                    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """dQ of query rows [m0, m0 + BLOCK_M) of one (batch entry, head); the pointers are at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < seqlen_q
     rows = offs_m[:, None].to(tl.int64)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :],
+    q = tl.load(Q + h * stride_qh + rows * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
-    do = tl.load(dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :],
+    do = tl.load(dOut + h * stride_doh + rows * stride_dom + offs_dv[None, :],
                  mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-    lse2, delta = _load_row_stats(Lse, Delta, pid_bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    lse2, delta = _load_row_stats(Lse, Delta, b * stride_lse_b + h * stride_lse_h + q_start, offs_m, seqlen_q)
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -220,15 +256,61 @@ def attention_bwd_dq_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
-                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, True,
-                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
+                    HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
-                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, False,
-                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
+                    HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
-                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_N, True,
-                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
-    tl.store(dQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
+                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
+                    HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    tl.store(dQ + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))
+
+
+@triton.jit
+def attention_bwd_dq_kernel(
+    Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lse_b, stride_lse_h,
+    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h, hk = program_heads(pid_bh, nheads, group_size)
+    q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
+        CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
+    q_ptr = Q + b * stride_qb + q_start * stride_qm
+    k_ptr = K + b * stride_kb + k_start * stride_kn
+    v_ptr = V + b * stride_vb + k_start * stride_vn
+    do_ptr = dOut + b * stride_dob + q_start * stride_dom
+    dq_ptr = dQ + b * stride_dqb + q_start * stride_dqm
+    if VARLEN:
+        for m0 in range(pid_m * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
+            _dq_query_block(m0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk, q_start,
+                            stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
+                            stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b,
+                            stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale,
+                            softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
+                            HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                            HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    else:
+        _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk,
+                        q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
+                        stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
+                        stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
+                        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
+                        HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                        HAS_ALIBI, MASK_KIND, DOT_PRECISION)

@@ -48,6 +48,25 @@ def alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
+def sequence_bounds(CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN: tl.constexpr):
+    """(first query row, first key row, seqlen_q, seqlen_k, diagonal_offset) of batch entry b.
+
+    Dense batches start every entry at row 0 and pass the arguments through. In a packed
+    variable-length batch (VARLEN) entry b is sequence b: its rows are cu_seqlens[b] ..
+    cu_seqlens[b + 1] - 1 of the packed tensors, and its causal diagonal is bottom-right aligned.
+    """
+    q_start = b * 0
+    k_start = b * 0
+    if VARLEN:
+        q_start = tl.load(CuSeqlensQ + b).to(tl.int64)
+        k_start = tl.load(CuSeqlensK + b).to(tl.int64)
+        seqlen_q = (tl.load(CuSeqlensQ + b + 1) - q_start).to(tl.int32)
+        seqlen_k = (tl.load(CuSeqlensK + b + 1) - k_start).to(tl.int32)
+        diagonal_offset = seqlen_k - seqlen_q
+    return q_start, k_start, seqlen_q, seqlen_k, diagonal_offset
+
+
+@triton.jit
 def key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key blocks for query rows [m0, m0 + BLOCK_M): (lo, full_lo, full_hi, hi).

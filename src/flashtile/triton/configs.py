@@ -69,8 +69,9 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     if capability is None:
         return TritonTiles(16, 16, 1, 1, 16, 16, 1, 1)
     width = max(problem.headdim, problem.headdim_v)
+    # packed sequences keep to the pointer kernel (its programs follow each sequence's own length)
     hopper_forward = (capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
-                      and problem.seqlen_k >= 4096)
+                      and problem.seqlen_k >= 4096 and not problem.varlen)
     if width <= 64:
         if hopper_forward:
             return TritonTiles(128, 64, 8, 3, 32, 128, 4, 3, forward_schedule=1)

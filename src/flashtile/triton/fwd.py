@@ -14,13 +14,17 @@ without it; blocks wholly outside are never loaded.
 Supports: any head dims up to 256 (padded to a power of two inside the kernel, masked), dv != d,
 fp16 / bf16 / fp32 (fp32 dots in IEEE fp32 unless TF32 is allowed), causal and windows in either
 alignment (diagonal_offset), softcap, ALiBi, boolean / additive masks with any strides (stride 0
-for broadcast), int64 offsets. Limitations: no dropout; fp64 is left to the torch backend.
+for broadcast), int64 offsets, and packed variable-length batches (VARLEN: batch entry b is the
+sequence cu_seqlens[b] .. cu_seqlens[b + 1] of the packed tensors; its programs exit or loop by
+the sequence's real length, so work follows the real tokens and max_seqlen is only a grid hint).
+Limitations: no dropout; fp64 is left to the torch backend.
 """
 
 import triton
 import triton.language as tl
 
-from .common import alibi_slope, finish_rows, key_block_bounds, online_softmax_step, program_heads, scores
+from .common import (alibi_slope, finish_rows, key_block_bounds, online_softmax_step, program_heads, scores,
+                     sequence_bounds)
 
 
 @triton.jit
@@ -47,35 +51,25 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
 
 
 @triton.jit
-def attention_fwd_kernel(
-    Q, K, V, Out, Lse, Slopes, Mask,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
-    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    nheads, group_size, seqlen_q, seqlen_k,
-    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
-    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h, hk = program_heads(pid_bh, nheads, group_size)
-    m0 = pid_m * BLOCK_M
+def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk, slope,
+                         stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om, stride_oh,
+                         stride_lse_b, stride_lse_h, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                         seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, diagonal_offset,
+                         window_left, window_right,
+                         HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                         HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head): Q, K, V, Out point at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
-                mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEADDIM), other=0.0)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    row_ok = offs_m < seqlen_q
+    q = tl.load(Q + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + offs_m[:, None].to(tl.int64) * stride_mask_m
-    slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -85,22 +79,68 @@ def attention_fwd_kernel(
     # the three key ranges: left band edge (masked), interior (unmasked), right edge and ragged end (masked)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
-                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
-                                    HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                    HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
+                                    window_right, HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k,
-                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
-                                    HEADDIM, HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                    HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
+                                    window_right, HEADDIM, HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k,
-                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
-                                    HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                    HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
+                                    window_right, HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
 
     out, lse = finish_rows(acc, l_i, m_i)
-    row_ok = offs_m < seqlen_q
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
+    tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
-    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
+    tl.store(Lse + b * stride_lse_b + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def attention_fwd_kernel(
+    Q, K, V, Out, Lse, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h,
+    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h, hk = program_heads(pid_bh, nheads, group_size)
+    # packed sequences: stride_*b are 0 and each sequence starts at its own first row
+    q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
+        CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
+    q_ptr = Q + b * stride_qb + q_start * stride_qm
+    k_ptr = K + b * stride_kb + k_start * stride_kn
+    v_ptr = V + b * stride_vb + k_start * stride_vn
+    o_ptr = Out + b * stride_ob + q_start * stride_om
+    slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
+    if VARLEN:
+        # the grid covers max_seqlen_q, a hint: a longer sequence's extra blocks are taken in turn
+        for m0 in range(pid_m * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
+            _forward_query_block(m0, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, q_start, k_start, b, h, hk, slope,
+                                 stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om,
+                                 stride_oh, stride_lse_b, stride_lse_h, stride_mask_b, stride_mask_h, stride_mask_m,
+                                 stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
+                                 diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
+                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                 DOT_PRECISION)
+    else:
+        _forward_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, q_start, k_start, b, h, hk,
+                             slope, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om,
+                             stride_oh, stride_lse_b, stride_lse_h, stride_mask_b, stride_mask_h, stride_mask_m,
+                             stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
+                             diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
+                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)

@@ -74,16 +74,42 @@ def _tma_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TritonTiles):
-    """Fused forward: returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32."""
+def _packing(q, k, cu_seqlens_q, cu_seqlens_k):
+    """Kernel arguments for packed sequences: (CuSeqlensQ, CuSeqlensK, VARLEN, batch strides of q and k).
+
+    Packed tensors are (1, total, heads, dim) and their sequences start at cu_seqlens rows, so the
+    kernels' batch strides must be 0; dense batches pass q (never read) and their own strides.
+    """
+    if cu_seqlens_q is None:
+        return q, q, False, 1, 1
+    return cu_seqlens_q, cu_seqlens_k, True, 0, 0
+
+
+def _outputs(q, problem: AttentionProblem, packed: bool):
+    """out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q); packed: batch 1, total rows."""
     p = problem
-    out = torch.empty(p.batch, p.seqlen_q, p.nheads, p.headdim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=q.device)
-    if out.numel() == 0 and lse.numel() == 0:
+    batch, rows = (1, q.shape[1]) if packed else (p.batch, p.seqlen_q)
+    out = torch.empty(batch, rows, p.nheads, p.headdim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, p.nheads, rows, dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TritonTiles,
+            cu_seqlens_q=None, cu_seqlens_k=None):
+    """Fused forward: returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32.
+
+    With cu_seqlens_q / cu_seqlens_k (int32, (nseq + 1,)), q, k, v are packed sequences of shape
+    (1, total, heads, dim), problem.batch is nseq and problem.seqlen_* are the max_seqlen hints;
+    out is then (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q).
+    """
+    p = problem
+    cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
+    out, lse = _outputs(q, p, varlen)
+    if out.numel() == 0 and lse.numel() == 0 or p.batch == 0:
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
-    grid = (triton.cdiv(p.seqlen_q, tiles.block_m), p.batch * p.nheads)
-    if tiles.forward_schedule > 0 and _tma_ready((q, k, v, out), attn_mask):
+    grid = (max(1, triton.cdiv(p.seqlen_q, tiles.block_m)), p.batch * p.nheads)
+    if tiles.forward_schedule > 0 and not varlen and _tma_ready((q, k, v, out), attn_mask):
         if not interpreting():
             triton.set_allocator(_tma_scratch)
         del flags["MASK_KIND"]
@@ -99,59 +125,67 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             MASK_ALL=problem.is_banded or p.seqlen_k % tiles.block_n != 0, **flags)
         return out, lse
     attention_fwd_kernel[grid](
-        q, k, v, out, lse, slopes, mask,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, out, lse, slopes, mask, cu_q, cu_k,
+        q.stride(0) * batch_q, q.stride(1), q.stride(2),
+        k.stride(0) * batch_k, k.stride(1), k.stride(2),
+        v.stride(0) * batch_k, v.stride(1), v.stride(2),
+        out.stride(0) * batch_q, out.stride(1), out.stride(2),
+        lse.stride(0) * batch_q, lse.stride(1),
         slopes_stride, *mask_strides,
         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **flags)
+        VARLEN=varlen, **flags)
     return out, lse
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem: AttentionProblem,
-             tiles: TritonTiles):
-    """Recompute backward: returns dq, dk, dv contiguous in the flash layout and the inputs' dtype."""
+             tiles: TritonTiles, cu_seqlens_q=None, cu_seqlens_k=None):
+    """Recompute backward: returns dq, dk, dv contiguous in the flash layout and the inputs' dtype
+    (for packed sequences, in the packed layout (1, total, heads, dim); see forward)."""
     p = problem
-    dq = torch.empty(p.batch, p.seqlen_q, p.nheads, p.headdim, dtype=q.dtype, device=q.device)
-    dk = torch.empty(p.batch, p.seqlen_k, p.nheads_k, p.headdim, dtype=k.dtype, device=k.device)
-    dv = torch.empty(p.batch, p.seqlen_k, p.nheads_k, p.headdim_v, dtype=v.dtype, device=v.device)
-    if p.batch * p.nheads == 0:
-        return dq, dk, dv
-    if p.seqlen_q == 0:  # no query sees any key: no gradient flows to k and v
+    cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if p.batch * p.nheads == 0 or q.shape[1] == 0:  # no query sees any key: no gradient flows to k and v
         return dq, dk.zero_(), dv.zero_()
+    if varlen:
+        # keys of sequences without queries (or beyond every sequence) receive no gradient from the kernel
+        dk.zero_()
+        dv.zero_()
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     has_dlse = grad_lse is not None
     grad_lse = grad_lse.float().contiguous() if has_dlse else lse  # never read without HAS_DLSE
     delta = torch.empty_like(lse)
-    attention_bwd_preprocess_kernel[(triton.cdiv(p.seqlen_q, 64), p.batch * p.nheads)](
+    # rows are independent here: a packed batch is one long sequence to the preprocess kernel
+    rows, batch = out.shape[1], out.shape[0]
+    attention_bwd_preprocess_kernel[(triton.cdiv(rows, 64), batch * p.nheads)](
         out, grad_out, grad_lse, delta,
         out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        p.nheads, p.seqlen_q, HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
-    common = (slopes_stride, *mask_strides, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, *scalars)
-    if p.seqlen_k > 0:
-        attention_bwd_dkdv_kernel[(triton.cdiv(p.seqlen_k, tiles.bwd_block_n), p.batch * p.nheads_k)](
-            q, k, v, grad_out, lse, delta, dk, dv, slopes, mask,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            *common,
+        p.nheads, rows, HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
+    lse_strides = (lse.stride(0) * batch_q, lse.stride(1))
+    if k.shape[1] > 0:
+        attention_bwd_dkdv_kernel[(max(1, triton.cdiv(p.seqlen_k, tiles.bwd_block_n)), p.batch * p.nheads_k)](
+            q, k, v, grad_out, lse, delta, dk, dv, slopes, mask, cu_q, cu_k,
+            q.stride(0) * batch_q, q.stride(1), q.stride(2),
+            k.stride(0) * batch_k, k.stride(1), k.stride(2),
+            v.stride(0) * batch_k, v.stride(1), v.stride(2),
+            grad_out.stride(0) * batch_q, grad_out.stride(1), grad_out.stride(2),
+            dk.stride(0) * batch_k, dk.stride(1), dk.stride(2),
+            dv.stride(0) * batch_k, dv.stride(1), dv.stride(2),
+            *lse_strides, slopes_stride, *mask_strides,
+            p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, num_warps=tiles.bwd_num_warps,
-            num_stages=tiles.bwd_num_stages, **flags)
+            num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
     # the dQ kernel uses the transposed tile: bwd_block_n query rows against bwd_block_m keys
-    attention_bwd_dq_kernel[(triton.cdiv(p.seqlen_q, tiles.bwd_block_n), p.batch * p.nheads)](
-        q, k, v, grad_out, lse, delta, dq, slopes, mask,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        slopes_stride, *mask_strides, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+    attention_bwd_dq_kernel[(max(1, triton.cdiv(p.seqlen_q, tiles.bwd_block_n)), p.batch * p.nheads)](
+        q, k, v, grad_out, lse, delta, dq, slopes, mask, cu_q, cu_k,
+        q.stride(0) * batch_q, q.stride(1), q.stride(2),
+        k.stride(0) * batch_k, k.stride(1), k.stride(2),
+        v.stride(0) * batch_k, v.stride(1), v.stride(2),
+        grad_out.stride(0) * batch_q, grad_out.stride(1), grad_out.stride(2),
+        dq.stride(0) * batch_q, dq.stride(1), dq.stride(2),
+        *lse_strides, slopes_stride, *mask_strides, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
         BLOCK_M=tiles.bwd_block_n, BLOCK_N=tiles.bwd_block_m, num_warps=tiles.bwd_num_warps,
-        num_stages=tiles.bwd_num_stages, **flags)
+        num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
     return dq, dk, dv

@@ -1,0 +1,90 @@
+"""Packed variable-length batch against the dense kernel and against padding, on a GPU.
+
+64 sequences with lengths drawn log-uniformly from 64..8192 (seeded), 16 heads of d = 128, bf16.
+Rows (median of triton.testing.do_bench, forward and forward+backward, causal and not):
+  varlen   flash_attn_varlen_func on the packed batch; FLOPs of the real tokens, sum_i 4 L_i^2 d H
+  padded   flash_attn_func on the batch padded to the longest sequence; the same real FLOPs
+           (the padding is wasted work), so its TFLOP/s is directly comparable
+  dense    flash_attn_func on batch x 4096 with the same total tokens (the dense kernel's rate)
+The issue's bar: varlen >= 0.9x dense, and faster than padded.
+
+    python benchmarks/varlen_vs_dense.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import triton
+import triton.testing
+
+import flashtile
+from flashtile._measure import executed_kernels
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--headdim", type=int, default=128)
+    args = parser.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+    logs = torch.empty(args.sequences).uniform_(math.log(args.min_len), math.log(args.max_len), generator=generator)
+    lengths = logs.exp().round().long().tolist()
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    h, d = args.heads, args.headdim
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"{args.sequences} sequences, {total} tokens, longest {longest}, {h} heads, d {d}, bf16")
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    q, k, v = randn(total, h, d), randn(total, h, d), randn(total, h, d)
+    grad = torch.randn(total, h, d, device=device, dtype=dtype)
+    padded = [randn(args.sequences, longest, h, d) for _ in range(3)]
+    padded_grad = torch.randn(args.sequences, longest, h, d, device=device, dtype=dtype)
+    dense_batch = max(1, total // 4096)
+    dense = [randn(dense_batch, 4096, h, d) for _ in range(3)]
+    dense_grad = torch.randn(dense_batch, 4096, h, d, device=device, dtype=dtype)
+
+    for causal in (False, True):
+        factor = 0.5 if causal else 1.0
+        real_flops = sum(4 * n * n * d * h * factor for n in lengths)
+        dense_flops = 4 * dense_batch * 4096 * 4096 * d * h * factor
+        cases = {
+            "varlen": (lambda: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal),
+                       (q, k, v), grad, real_flops),
+            "padded": (lambda: flashtile.flash_attn_func(*padded, causal=causal), padded, padded_grad, real_flops),
+            "dense": (lambda: flashtile.flash_attn_func(*dense, causal=causal), dense, dense_grad, dense_flops),
+        }
+        rates = {}
+        for mode, multiplier in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+            for name, (fn, inputs, g, flops) in cases.items():
+                if mode == "fwd":
+                    def step(fn=fn):
+                        with torch.no_grad():
+                            return fn()
+                else:
+                    def step(fn=fn, inputs=inputs, g=g):
+                        return torch.autograd.grad(fn(), inputs, g)
+                ms = bench(step)
+                rates[name] = multiplier * flops / ms / 1e9
+                kernels = executed_kernels(step, device, limit=4)
+                print(f"causal={int(causal)} {mode:7s} {name:6s} {ms:8.3f} ms {rates[name]:6.1f} TFLOP/s  {kernels}",
+                      flush=True)
+            print(f"causal={int(causal)} {mode:7s} varlen / dense {rates['varlen'] / rates['dense']:.2f}x, "
+                  f"varlen / padded {rates['varlen'] / rates['padded']:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
