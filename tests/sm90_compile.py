@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashtile.triton.bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+from flashtile.triton.decode import attention_decode_combine_kernel, attention_decode_kernel
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 
@@ -32,7 +33,7 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
     kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
-    return {"label": label, "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+    return {"label": label, "wgmma": "wgmma" in ptx, "mma": "mma.sync" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
             "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared}
 
 
@@ -69,6 +70,16 @@ def main():
         results.append(compile_variant(f"bwd-dq {tag_varlen}", attention_bwd_dq_kernel,
                                        dict(flags, BLOCK_M=64, BLOCK_N=32, MASK_KIND=0 if varlen else 2,
                                             VARLEN=varlen), bwd_ptrs, 4, 3))
+        paged, split = dtype == "bf16", causal
+        decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
+        results.append(compile_variant(
+            f"decode{' paged' if paged else ''}{' split' if split else ''} {tag}", attention_decode_kernel,
+            dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=64, PAGED=paged, SPLIT=split),
+            {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32", "Slopes": "*fp32",
+             "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}, 4, 2))
+    results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
+                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16),
+                                   {"PartOut": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))
     json.dump(results, sys.stdout)
 
 

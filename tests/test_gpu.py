@@ -140,3 +140,37 @@ def test_varlen_never_synchronises_so_cuda_graphs_capture_it():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, expected)
+
+
+@pytest.mark.parametrize("page_size", (None, 16, 256), ids=("contiguous", "page16", "page256"))
+@pytest.mark.parametrize("num_splits", (0, 1, 3, 8))
+def test_kvcache_decode_realistic(page_size, num_splits, seed):
+    """32 query heads on 8 K/V heads, d 128, bf16, caches of a few thousand tokens, one new token each."""
+    batch, capacity, dtype = 4, 4096, torch.bfloat16
+    lengths = torch.tensor([4000, 1, 2500, 333], dtype=torch.int32, device=DEVICE)
+    k_all = torch.randn(batch, capacity, 8, 128, device=DEVICE, dtype=dtype)
+    v_all = torch.randn(batch, capacity, 8, 128, device=DEVICE, dtype=dtype)
+    if page_size is None:
+        k_cache, v_cache, table = k_all.clone(), v_all.clone(), None
+    else:
+        pages = capacity // page_size
+        order = torch.randperm(batch * pages, device=DEVICE)
+        table = order.view(batch, pages).to(torch.int32)
+        k_cache = torch.empty(batch * pages, page_size, 8, 128, device=DEVICE, dtype=dtype)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[order] = k_all.view(batch * pages, page_size, 8, 128)
+        v_cache[order] = v_all.view(batch * pages, page_size, 8, 128)
+    q = torch.randn(batch, 1, 32, 128, device=DEVICE, dtype=dtype)
+    k_new = torch.randn(batch, 1, 8, 128, device=DEVICE, dtype=dtype)
+    v_new = torch.randn(batch, 1, 8, 128, device=DEVICE, dtype=dtype)
+    with flashtile.use_backend("triton"):
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths, table,
+                                                     causal=True, num_splits=num_splits, return_softmax_lse=True)
+    for b in range(batch):
+        n = int(lengths[b])
+        keys = torch.cat([k_all[b, :n], k_new[b]])[None]
+        values = torch.cat([v_all[b, :n], v_new[b]])[None]
+        ref, ref_lse = flash_attn_reference(q[b:b + 1], keys, values, causal=True)
+        eager, eager_lse = flash_attn_reference(q[b:b + 1], keys, values, causal=True, dtype=dtype)
+        assert_close_to_oracle(f"out[{b}]", out[b:b + 1], ref, eager, dtype, seed)
+        assert_close_to_oracle(f"lse[{b}]", lse[b:b + 1], ref_lse, eager_lse, dtype, seed)

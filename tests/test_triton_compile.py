@@ -27,7 +27,7 @@ def _ieee_fp32(label: str) -> bool:
 
 
 def test_every_variant_uses_hopper_matmuls(compiled):
-    matmul_kernels = [label for label in compiled if not label.startswith("bwd-preprocess")]
+    matmul_kernels = [label for label in compiled if not label.startswith(("bwd-preprocess", "decode"))]
     assert len(matmul_kernels) == 20
     missing = [label for label in matmul_kernels if not compiled[label]["wgmma"] and not _ieee_fp32(label)]
     assert not missing, f"no wgmma in {missing}"
@@ -47,3 +47,12 @@ def test_tma_schedules_use_bulk_tensor_copies_and_warp_specialization(compiled):
 def test_shared_memory_fits_an_h200(compiled):
     too_big = {label: row["shared"] for label, row in compiled.items() if row["shared"] > 232_448}
     assert not too_big, f"over the 227 KiB per-block limit: {too_big}"
+
+
+def test_decode_kernels_use_tensor_cores_on_small_tiles(compiled):
+    """A decode tile has 16 rows (one query per head of a group): too few for wgmma's 64, so mma.sync."""
+    decode = [label for label in compiled if label.startswith("decode ")]
+    assert len(decode) == 4
+    for label in decode:
+        assert compiled[label]["mma"] != _ieee_fp32(label), f"{label}: mma.sync {compiled[label]['mma']}"
+    assert "decode-combine bf16 d128" in compiled

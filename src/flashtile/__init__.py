@@ -3,6 +3,7 @@
 Public API:
     flash_attn_func                flash-attn's signature and layout, bottom-right causal alignment
     flash_attn_varlen_func         the same over packed variable-length sequences (cu_seqlens)
+    flash_attn_with_kvcache        decoding against a contiguous or paged KV cache, appending in place
     scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                        what a call would run (backend, kernel, tiles) and why
     use_backend                    context manager choosing the backend ("auto", "torch", "triton")
@@ -11,7 +12,8 @@ Public API:
 
 from . import reference
 from ._dispatch import BackendUnavailableError, use_backend
-from .interface import Explanation, explain, flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
+from .interface import (Explanation, explain, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+                        scaled_dot_product_attention)
 
 __version__ = "0.1.0"
 
@@ -21,6 +23,7 @@ __all__ = [
     "explain",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "reference",
     "scaled_dot_product_attention",
     "use_backend",

@@ -76,6 +76,11 @@ class TorchBackend:
                                                        cu_seqlens_k)
         return torch_impl.attention_forward(q, k, v, alibi_slopes, attn_mask, problem, tiles)
 
+    def decode(self, call, tiles, num_splits):
+        from . import kvcache
+
+        return kvcache.attention_over_cache(call, tiles, max(1, num_splits))  # splitting adds no parallelism here
+
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
                  cu_seqlens_q=None, cu_seqlens_k=None):
         if problem.varlen:
@@ -89,8 +94,9 @@ class TritonBackend:
     """Fused Triton kernels: CUDA GPUs of compute capability 8.0 or newer; CPU tensors under TRITON_INTERPRET=1."""
 
     name = "triton"
-    kernel = ("flashtile.triton: attention_fwd_kernel; backward attention_bwd_preprocess_kernel, "
-              "attention_bwd_dkdv_kernel, attention_bwd_dq_kernel")
+    kernel = ("flashtile.triton: attention_fwd_kernel / attention_fwd_tma_kernel; backward "
+              "attention_bwd_preprocess_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel; KV cache "
+              "attention_decode_kernel (+ attention_decode_combine_kernel when split)")
     tile_keys = triton_configs.TILE_KEYS
 
     def unavailable_reason(self, problem: AttentionProblem) -> str | None:
@@ -138,6 +144,11 @@ class TritonBackend:
         from .triton import launch  # kernels are compiled (or interpreted) on first use
 
         return launch.forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k)
+
+    def decode(self, call, tiles, num_splits):
+        from .triton import launch
+
+        return launch.decode(call, num_splits)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
                  cu_seqlens_q=None, cu_seqlens_k=None):

@@ -55,6 +55,9 @@ class AttentionProblem:
     # seqlen_q / seqlen_k are the caller's max_seqlen hints, and each sequence's own lengths (and
     # bottom-right diagonal offset) come from cu_seqlens at run time
     varlen: bool = False
+    # attention over a KV cache (flash_attn_with_kvcache): seqlen_k is the cache's capacity and each
+    # sequence's own length (cache_seqlens + new tokens, bottom-right aligned) is known at run time
+    kvcache: bool = False
 
     @property
     def group_size(self) -> int:
@@ -419,3 +422,156 @@ def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
         mask_kind=None if mask is None else ("bool" if mask.dtype == torch.bool else "additive"))
     bshd = [unit_last_stride(t).reshape(batch, *t.shape[-3:]).transpose(1, 2) for t in (query, key, value)]
     return PreparedCall(*bshd, alibi_slopes=None, attn_mask=mask, problem=problem), out_shape
+
+
+@dataclass(frozen=True)
+class KVCacheCall:
+    """A validated `flash_attn_with_kvcache` call.
+
+    k_cache / v_cache are (batch, capacity, nheads_k, dim) when contiguous, or (num_blocks, page_size,
+    nheads_k, dim) with block_table (batch, max_blocks) int32 when paged; k_new / v_new (batch,
+    seqlen_new, nheads_k, dim) or None; cache_seqlens (batch,) int32 on q's device: tokens already in
+    each sequence's cache. After the append, sequence b attends to cache_seqlens[b] + seqlen_new keys.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_new: torch.Tensor | None
+    v_new: torch.Tensor | None
+    cache_seqlens: torch.Tensor
+    block_table: torch.Tensor | None
+    alibi_slopes: torch.Tensor | None  # (batch or 1, nheads)
+    num_splits: int
+    problem: AttentionProblem
+
+    @property
+    def page_size(self) -> int | None:
+        return None if self.block_table is None else self.k_cache.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Keys each sequence's cache can hold."""
+        if self.block_table is None:
+            return self.k_cache.shape[1]
+        return self.block_table.shape[1] * self.k_cache.shape[1]
+
+
+def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, seqlen_new: int,
+                        capacity: int, num_blocks: int, page_size: int | None) -> None:
+    """The rules that need the values of cache_seqlens and block_table (read on the host)."""
+    lengths = cache_seqlens.tolist()
+    for b, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(f"cache_seqlens[{b}] is {length}; it must be >= 0")
+        if length + seqlen_new > capacity:
+            raise ValueError(f"sequence {b}: cache_seqlens[{b}] = {length} plus {seqlen_new} new tokens exceeds the "
+                             f"cache capacity of {capacity} tokens; nothing was written")
+    if block_table is not None:
+        table = block_table.tolist()
+        for b, length in enumerate(lengths):
+            used = -(-(length + seqlen_new) // page_size)  # pages holding this sequence's keys
+            bad = [(i, page) for i, page in enumerate(table[b][:used]) if not 0 <= page < num_blocks]
+            if bad:
+                i, page = bad[0]
+                raise ValueError(f"block_table[{b}, {i}] = {page} is not a block of the cache (0 .. {num_blocks - 1}); "
+                                 f"nothing was written")
+
+
+def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
+                    softcap, alibi_slopes, num_splits, return_softmax_lse) -> KVCacheCall:
+    """Validate `flash_attn_with_kvcache` arguments. Every rule is checked before anything is written,
+    including the capacity and block-table rules, which read cache_seqlens and block_table on the host."""
+    _require_tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must have rank 4 (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _require_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4, got shape {tuple(t.shape)}")
+    _check_qkv_dtypes_devices(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    batch, seqlen_q, nheads, headdim = q.shape
+    if seqlen_q < 1:
+        raise ValueError(f"q has seqlen_q = {seqlen_q}; it needs at least one query token")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in all "
+                         f"but the last dimension")
+    nheads_k, headdim_k, headdim_v = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    if headdim_k != headdim:
+        raise ValueError(f"q has head dim {headdim} but k_cache has {headdim_k}; they must match")
+    _check_headdims(headdim, headdim_v, "q", "v_cache")
+    _check_heads(nheads, nheads_k, "q", "k_cache")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit-stride last dimension (it is written in place)")
+
+    if block_table is not None:
+        _require_tensor("block_table", block_table)
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, max_blocks) = ({batch}, ...), "
+                             f"got {tuple(block_table.shape)}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        page_size = k_cache.shape[1]
+        if page_size % 16 != 0 or page_size == 0:
+            raise ValueError(f"a paged k_cache (num_blocks, page_size, nheads_k, headdim) needs page_size to be a "
+                             f"positive multiple of 16, got {page_size}")
+        capacity, num_blocks = block_table.shape[1] * page_size, k_cache.shape[0]
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch}; a contiguous cache is "
+                             f"(batch, seqlen_cache, nheads_k, headdim) (pass block_table for a paged cache)")
+        page_size, capacity, num_blocks = None, k_cache.shape[1], 0
+
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new tokens to append) or both be None")
+    seqlen_new = 0
+    if k is not None:
+        for name, t, dim in (("k", k, headdim), ("v", v, headdim_v)):
+            _require_tensor(name, t)
+            if t.dtype != q.dtype or t.device != q.device:
+                raise TypeError(f"{name} must have q's dtype and device ({q.dtype} on {q.device}), "
+                                f"got {t.dtype} on {t.device}")
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[2] != nheads_k or t.shape[3] != dim:
+                raise ValueError(f"{name} must have shape (batch, seqlen_new, nheads_k, {dim}) = "
+                                 f"({batch}, ..., {nheads_k}, {dim}), got {tuple(t.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k has {k.shape[1]} new tokens but v has {v.shape[1]}; they must match")
+        seqlen_new = k.shape[1]
+
+    if cache_seqlens is None:
+        if seqlen_new:
+            raise ValueError("appending k and v needs cache_seqlens (where each sequence's new tokens go)")
+        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    else:
+        _require_tensor("cache_seqlens", cache_seqlens)
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+    _check_cache_values(cache_seqlens, block_table, seqlen_new, capacity, num_blocks, page_size)
+
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
+    _require_bool("causal", causal)
+    _require_bool("return_softmax_lse", return_softmax_lse)
+    scale = _check_scale(softmax_scale, "softmax_scale", headdim)
+    left, right = _check_window(window_size, causal)
+    cap = _require_real("softcap", softcap)
+    if cap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
+    slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
+    problem = AttentionProblem(
+        batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=capacity, headdim=headdim,
+        headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
+        window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap, has_alibi=slopes is not None,
+        mask_kind=None, kvcache=True)
+    return KVCacheCall(q=unit_last_stride(q), k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
+                       cache_seqlens=cache_seqlens, block_table=block_table, alibi_slopes=slopes,
+                       num_splits=int(num_splits), problem=problem)

@@ -24,8 +24,11 @@ and for seqlen_q = 5, seqlen_k = 2, causal:
 
 from __future__ import annotations
 
+import torch
+
 from . import _dispatch
-from ._validate import PreparedCall, prepare_flash_attn, prepare_flash_attn_varlen, prepare_sdpa
+from ._validate import PreparedCall, prepare_flash_attn, prepare_flash_attn_varlen, prepare_kvcache, prepare_sdpa
+from . import kvcache
 from .autograd import attention
 
 
@@ -105,6 +108,54 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                      return_lse=return_lse)
     out, lse = attention(call, *_dispatch.resolve(call.problem))
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            num_splits=0, return_softmax_lse=False):
+    """Decoding and chunked prefill against a KV cache, with flash-attn's signature (forward only).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), seqlen_q >= 1: the newest tokens of each sequence
+            (one for decoding; several for speculative decoding or chunked prefill).
+        k_cache, v_cache: contiguous (batch, capacity, nheads_k, headdim[_v]), or paged
+            (num_blocks, page_size, nheads_k, headdim[_v]) with block_table; page_size a multiple of 16.
+            Same dtype and device as q; written in place when k and v are given.
+        k, v: optional (batch, seqlen_new, nheads_k, headdim[_v]) new tokens, written into the cache at
+            positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (through block_table when paged)
+            before attention runs.
+        cache_seqlens: int or int32 (batch,): tokens already in each sequence's cache; None means every
+            cache is full (capacity tokens) and then k, v must be None.
+        block_table: int32 (batch, max_blocks): sequence b's page i is block block_table[b, i] of the cache;
+            capacity = max_blocks * page_size.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as in `flash_attn_func`, with sequence
+            b's keys being its cache_seqlens[b] + seqlen_new cached tokens: causal and windows are
+            bottom-right aligned to the end of each sequence.
+        num_splits: split each sequence's keys into this many chunks, attended by separate programs and
+            merged exactly by their log-sum-exps (Flash-Decoding); 0 chooses: on the Triton backend enough
+            splits for about two waves of the GPU when batch x nheads_k cannot fill it, on the torch
+            backend 1 (splitting adds work and no parallelism there). Results agree across split counts up
+            to rounding.
+        return_softmax_lse: also return lse (batch, nheads, seqlen_q) float32.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype, carrying no gradient; with
+        return_softmax_lse=True, (out, lse). Rows that see no key get out 0 and lse -inf.
+
+    Raises:
+        TypeError / ValueError naming the argument and the rule, including a write past a cache's capacity
+        and a block_table entry that is not a block of the cache; every check runs before anything is
+        written, so a call that raises leaves the cache unchanged. (The checks read cache_seqlens and
+        block_table on the host.) BackendUnavailableError when the requested backend cannot serve the call.
+    """
+    call = prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
+                           causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           num_splits=num_splits, return_softmax_lse=return_softmax_lse)
+    chosen = _dispatch.plan(call.problem)  # raises before the cache is touched
+    kvcache.append_to_cache(call)
+    with torch.no_grad():
+        out, lse = chosen.backend.decode(call, chosen.tiles, call.num_splits)
+    return (out, lse) if return_softmax_lse else out
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -15,6 +15,7 @@ from .._validate import AttentionProblem
 from .common import LOG2E
 from .bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from .configs import TritonTiles
+from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .configs import interpreting
 from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
@@ -189,3 +190,85 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
         BLOCK_M=tiles.bwd_block_n, BLOCK_N=tiles.bwd_block_m, num_warps=tiles.bwd_num_warps,
         num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
     return dq, dk, dv
+
+
+def choose_num_splits(programs: int, key_blocks: int, sm_count: int) -> int:
+    """Flash-Decoding's split count: enough programs for about two waves of the GPU, each split keeping
+    at least 4 key blocks (so the merge stays cheap next to the reads), at most 64 splits."""
+    if programs >= sm_count:
+        return 1
+    wanted = triton.cdiv(2 * sm_count, max(1, programs))
+    return max(1, min(wanted, key_blocks // 4, 64))
+
+
+def _decode_block_n(page_size: int | None) -> int:
+    """Keys per block: 64, or for a paged cache the largest power of two <= 64 dividing the page size
+    (a block must not straddle two pages)."""
+    if page_size is None:
+        return 64
+    block = 64
+    while page_size % block:
+        block //= 2
+    return block
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a pretend GPU small enough that tests exercise the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode(call, num_splits: int):
+    """Attention over a KV cache (kvcache.KVCacheCall, new tokens already appended): returns out
+    (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32.
+
+    num_splits 0 lets choose_num_splits decide; the count is capped by the number of key blocks.
+    Nothing is read back from the GPU.
+    """
+    p = call.problem
+    q = call.q
+    batch, seqlen_q = q.shape[:2]
+    out = torch.empty(batch, seqlen_q, p.nheads, p.headdim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, p.nheads, seqlen_q, dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return out, lse
+    slopes, slopes_stride, _, _, scalars, flags = _score_args(q, call.alibi_slopes, None, p)
+    rows = p.group_size * seqlen_q
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    row_blocks = triton.cdiv(rows, block_m)
+    block_n = _decode_block_n(call.page_size)
+    key_blocks = max(1, triton.cdiv(call.capacity, block_n))
+    splits = num_splits or choose_num_splits(batch * p.nheads_k * row_blocks, key_blocks, _sm_count(q.device))
+    blocks_per_split = triton.cdiv(key_blocks, max(1, min(splits, key_blocks)))
+    splits = triton.cdiv(key_blocks, blocks_per_split)
+    rows_padded = row_blocks * block_m
+    if splits > 1:
+        part_out = torch.empty(batch * p.nheads_k, splits, rows_padded, flags["BLOCK_DV"], dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(batch * p.nheads_k, splits, rows_padded, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = lse  # never read or written
+    paged = call.block_table is not None
+    table = call.block_table if paged else call.cache_seqlens  # never read when contiguous
+    k_cache, v_cache = call.k_cache, call.v_cache
+    seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
+    _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
+    attention_decode_kernel[(splits, batch * p.nheads_k, row_blocks)](
+        q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        table.stride(0), slopes_stride,
+        out.stride(0), out.stride(1), out.stride(2),
+        p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.page_size or 1, blocks_per_split, rows_padded,
+        score_scale, softcap_scale, softcap_out, window_left, window_right,
+        HEADDIM=flags["HEADDIM"], HEADDIM_V=flags["HEADDIM_V"], BLOCK_D=flags["BLOCK_D"], BLOCK_DV=flags["BLOCK_DV"],
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1, HAS_LEFT=flags["HAS_LEFT"],
+        HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
+        DOT_PRECISION=flags["DOT_PRECISION"], num_warps=4, num_stages=2)
+    if splits > 1:
+        attention_decode_combine_kernel[(batch * p.nheads_k, rows)](
+            part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
+            p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded,
+            HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=triton.next_power_of_2(splits))
+    return out, lse

@@ -1,0 +1,117 @@
+"""Attention over a KV cache: appending new tokens in place, and split-KV (Flash-Decoding) attention.
+
+Decoding asks few queries (often one per sequence) against a long cache, so batch x heads alone
+cannot keep a processor busy. Flash-Decoding splits each sequence's keys into `num_splits`
+chunks, attends to each chunk independently (a partial output o_s and its log-sum-exp lse_s), and
+merges them exactly with the log-sum-exp identity:
+
+    lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) * o_s
+
+(a chunk no query row can see has lse_s = -inf and weight 0). The result equals unsplit attention
+up to rounding, whatever the split count.
+
+The cache is either contiguous, (batch, capacity, nheads_k, dim), or paged, (num_blocks, page_size,
+nheads_k, dim) with a block table mapping sequence b's page i to block block_table[b, i]. Sequence
+b's keys are positions 0 .. cache_seqlens[b] + seqlen_new - 1; its queries are its newest tokens
+(causal and windows bottom-right aligned to the end of its keys).
+
+The append runs on the tensors' device. attention_over_cache is the torch backend's attention (any
+device; one dense tiled pass per sequence and split; it reads cache_seqlens on the host); the Triton
+backend's is flashtile.triton.decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from . import torch_impl
+from ._validate import KVCacheCall
+
+NEG_INF = float("-inf")
+
+
+def _cache_rows(call: KVCacheCall, b: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors (first, second) addressing key positions `positions` of sequence b in k_cache[first, second]."""
+    if call.block_table is None:
+        return torch.full_like(positions, b), positions
+    pages = call.block_table[b].to(torch.int64)[positions // call.page_size]
+    return pages, positions % call.page_size
+
+
+def append_to_cache(call: KVCacheCall) -> None:
+    """Write k_new / v_new into the caches in place at positions cache_seqlens[b] .. + seqlen_new - 1.
+
+    Device-side indexing only (nothing is read back to the host). prepare_kvcache has already checked
+    capacity and block indices, so this cannot fail halfway.
+    """
+    if call.k_new is None or call.k_new.shape[1] == 0:
+        return
+    batch, seqlen_new = call.k_new.shape[:2]
+    positions = call.cache_seqlens.to(torch.int64)[:, None] + torch.arange(seqlen_new, device=call.q.device)
+    if call.block_table is None:
+        first, second = torch.arange(batch, device=call.q.device)[:, None].expand(-1, seqlen_new), positions
+    else:
+        first = call.block_table.to(torch.int64).gather(1, positions // call.page_size)
+        second = positions % call.page_size
+    call.k_cache[first, second] = call.k_new
+    call.v_cache[first, second] = call.v_new
+
+
+def sequence_keys(call: KVCacheCall, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values 0 .. length - 1 of sequence b as (1, length, nheads_k, dim) tensors."""
+    if call.block_table is None:
+        return call.k_cache[b:b + 1, :length], call.v_cache[b:b + 1, :length]
+    first, second = _cache_rows(call, b, torch.arange(length, device=call.q.device))
+    return call.k_cache[first, second].unsqueeze(0), call.v_cache[first, second].unsqueeze(0)
+
+
+def combine_splits(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial results exactly: outs (..., seqlen_q, nheads, dv) and lses (..., nheads, seqlen_q) per split.
+
+    Rows that no split could see keep lse = -inf and out = 0.
+    """
+    lse_stack = torch.stack(lses)  # (splits, ..., nheads, seqlen_q)
+    lse = torch.logsumexp(lse_stack, dim=0)
+    finite = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
+    weights = torch.exp(lse_stack - finite)  # exp(-inf) = 0 for splits a row never saw
+    out = sum(w.transpose(-1, -2).unsqueeze(-1) * o.to(w.dtype) for w, o in zip(weights, outs))
+    return out, lse
+
+
+def split_bounds(length: int, num_splits: int) -> list[tuple[int, int]]:
+    """[k0, k1) key chunks of nearly equal size covering 0 .. length - 1 (at least one chunk)."""
+    num_splits = max(1, min(num_splits, length))
+    step = -(-length // num_splits) if length else 0
+    return [(k0, min(k0 + step, length)) for k0 in range(0, length, step)] if length else [(0, 0)]
+
+
+def attention_over_cache(call: KVCacheCall, tiles: torch_impl.TorchTiles,
+                         num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch backend: out (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q).
+
+    Each sequence's keys are split into num_splits chunks, each attended by the dense tiled forward
+    with the diagonal shifted to the chunk, then merged by combine_splits.
+    """
+    p = call.problem
+    seqlen_q = p.seqlen_q
+    seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
+    outs, lses = [], []
+    for b, cached in enumerate(call.cache_seqlens.tolist()):
+        length = cached + seqlen_new
+        keys, values = sequence_keys(call, b, length)
+        slopes = call.alibi_slopes
+        if slopes is not None and slopes.shape[0] > 1:
+            slopes = slopes[b:b + 1]
+        partial_outs, partial_lses = [], []
+        for k0, k1 in split_bounds(length, num_splits):
+            chunk = replace(p, batch=1, seqlen_k=k1 - k0, diagonal_offset=length - seqlen_q - k0, kvcache=False)
+            out, lse = torch_impl.attention_forward(call.q[b:b + 1], keys[:, k0:k1], values[:, k0:k1], slopes,
+                                                    None, chunk, tiles)
+            partial_outs.append(out)
+            partial_lses.append(lse)
+        out, lse = combine_splits(partial_outs, partial_lses)
+        outs.append(out.to(p.dtype))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses).float()

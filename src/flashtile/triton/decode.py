@@ -1,0 +1,134 @@
+"""Attention over a KV cache in Triton: split-KV (Flash-Decoding) programs and the merge of their results.
+
+attention_decode_kernel: one program per (split, batch * K/V head, block of rows). Its tile's rows
+are the (query head of the group, query token) pairs that share the K/V head — group_size * seqlen_q
+rows, BLOCK_M per program — so for decoding (seqlen_q * group_size <= BLOCK_M) each byte of K and V is
+read from memory once for the whole group. It streams
+the key blocks of its split of the sequence's keys (positions 0 .. cache_seqlens[b] + seqlen_new - 1,
+read through the block table when the cache is paged) with the same online softmax as fwd.py.
+With one split it normalises and writes out and lse itself; otherwise it writes its normalised
+partial output and log-sum-exp to a float32 workspace, and attention_decode_combine_kernel merges
+the splits with the log-sum-exp identity (weights exp(lse_s - lse), lse = log sum exp lse_s).
+
+Key positions are bottom-right aligned per sequence (query token i sits at position
+length - seqlen_q + i), so causal and windows mean what they mean in flash_attn_with_kvcache. Key
+blocks outside the band are skipped; every visited block applies the element mask (decoding is
+bound by memory traffic, not by the mask).
+"""
+
+import triton
+import triton.language as tl
+
+from .common import finish_rows, online_softmax_step, scores
+
+
+@triton.jit
+def attention_decode_kernel(
+    Q, KCache, VCache, CacheSeqlens, BlockTable, Slopes, Out, Lse, PartOut, PartLse,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_table_b, stride_slopes_b,
+    stride_ob, stride_om, stride_oh,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_new, page_size, blocks_per_split, rows_padded,
+    score_scale, softcap_scale, softcap_out, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    num_splits = tl.num_programs(0)
+    b = (pid_bhk // nheads_k).to(tl.int64)
+    hk = (pid_bhk % nheads_k).to(tl.int64)
+    length = tl.load(CacheSeqlens + b) + seqlen_new  # this sequence's keys, new tokens included
+    diagonal_offset = length - seqlen_q
+
+    # rows: (query head g of the group, query token i) -> row g * seqlen_q + i; BLOCK_M rows per program
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = rows // seqlen_q
+    i = rows % seqlen_q
+    row_ok = g < group_size
+    h = hk * group_size + g
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_qb + h[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_slopes_b + h, mask=row_ok, other=0.0)[:, None]
+
+    # this split's key blocks, trimmed to the band of the first and last query token
+    lo = split * blocks_per_split * BLOCK_N
+    hi = tl.minimum((split + 1) * blocks_per_split * BLOCK_N, length)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, ((diagonal_offset - window_left) // BLOCK_N) * BLOCK_N)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, seqlen_q + diagonal_offset + window_right)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < length
+        if PAGED:  # BLOCK_N divides page_size: the whole key block lies in one page
+            block = tl.load(BlockTable + b * stride_table_b + n0 // page_size).to(tl.int64)
+            k_rows = block * stride_kb + (offs_n % page_size).to(tl.int64) * stride_kn
+            v_rows = block * stride_vb + (offs_n % page_size).to(tl.int64) * stride_vn
+        else:
+            k_rows = b * stride_kb + offs_n.to(tl.int64) * stride_kn
+            v_rows = b * stride_vb + offs_n.to(tl.int64) * stride_vn
+        k_t = tl.load(KCache + k_rows[None, :] + hk * stride_kh + offs_d[:, None],
+                      mask=key_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        s, _ = scores(qk, i[:, None], offs_n[None, :], seqlen_q, length, score_scale, softcap_scale, softcap_out,
+                      slope, diagonal_offset, window_left, window_right, None,
+                      True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, 0)
+        v = tl.load(VCache + v_rows[:, None] + hk * stride_vh + offs_dv[None, :],
+                    mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, True, 0, DOT_PRECISION)
+
+    out, lse = finish_rows(acc, l_i, m_i)
+    if SPLIT:
+        # workspace (batch * nheads_k, num_splits, rows_padded, ...): the combine kernel reads it back
+        part = (pid_bhk * num_splits + split).to(tl.int64) * rows_padded + rows
+        tl.store(PartOut + part[:, None] * BLOCK_DV + offs_dv[None, :], out)
+        tl.store(PartLse + part, lse)
+    else:
+        tl.store(Out + b * stride_ob + h[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_om
+                 + offs_dv[None, :], out.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+        tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse, mask=row_ok)
+
+
+@triton.jit
+def attention_decode_combine_kernel(
+    PartOut, PartLse, Out, Lse,
+    stride_ob, stride_om, stride_oh,
+    nheads, nheads_k, group_size, seqlen_q, num_splits, rows_padded,
+    HEADDIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (batch * K/V head, row of the tile): out = sum_s exp(lse_s - lse) o_s."""
+    pid_bhk = tl.program_id(0)
+    row = tl.program_id(1)
+    g = row // seqlen_q
+    if g < group_size:
+        i = row % seqlen_q
+        b = (pid_bhk // nheads_k).to(tl.int64)
+        h = (pid_bhk % nheads_k).to(tl.int64) * group_size + g
+        splits = tl.arange(0, BLOCK_S)
+        split_ok = splits < num_splits
+        part = (pid_bhk * num_splits + splits).to(tl.int64) * rows_padded + row
+        lses = tl.load(PartLse + part, mask=split_ok, other=float("-inf"))
+        top = tl.max(lses, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights 0, out 0
+        weights = tl.exp(lses - top)
+        total = tl.sum(weights, 0)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        parts = tl.load(PartOut + part[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
+        out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+        lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(Out + b * stride_ob + h * stride_oh + i.to(tl.int64) * stride_om + offs_dv,
+                 out.to(Out.dtype.element_ty), mask=offs_dv < HEADDIM_V)
+        tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse)

@@ -1,0 +1,220 @@
+"""flash_attn_with_kvcache: in-place append (contiguous and paged caches) and split-KV attention,
+against the float64 oracle per sequence; the cache is untouched by a call that raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.reference import flash_attn_reference
+
+from conftest import DEVICE, assert_close_to_oracle, assert_exact_to_oracle, skip_unsupported
+
+BATCH, NHEADS, NHEADS_K, HEADDIM, HEADDIM_V = 3, 4, 2, 16, 24
+CACHED = [5, 0, 41]  # tokens already in each sequence's cache
+
+
+def make_cache(dtype, page_size, max_blocks=4):
+    """A cache holding CACHED tokens per sequence: contiguous (page_size None) or paged with scattered pages."""
+    capacity = max_blocks * (page_size or 16)
+    keys = torch.randn(BATCH, capacity, NHEADS_K, HEADDIM, dtype=torch.float64, device=DEVICE).to(dtype)
+    values = torch.randn(BATCH, capacity, NHEADS_K, HEADDIM_V, dtype=torch.float64, device=DEVICE).to(dtype)
+    if page_size is None:
+        return keys, values, None
+    num_blocks = BATCH * max_blocks + 2  # two spare blocks that no sequence owns
+    order = torch.randperm(num_blocks, device=DEVICE)[:BATCH * max_blocks]
+    table = order.view(BATCH, max_blocks).to(torch.int32)
+    k_cache = torch.randn(num_blocks, page_size, NHEADS_K, HEADDIM, dtype=torch.float64, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_blocks, page_size, NHEADS_K, HEADDIM_V, dtype=torch.float64, device=DEVICE).to(dtype)
+    for b in range(BATCH):  # the same logical contents as the contiguous cache, through the block table
+        for i in range(max_blocks):
+            k_cache[table[b, i]] = keys[b, i * page_size:(i + 1) * page_size]
+            v_cache[table[b, i]] = values[b, i * page_size:(i + 1) * page_size]
+    return k_cache, v_cache, table
+
+
+def logical(cache, table, b, length):
+    """Positions 0 .. length - 1 of sequence b, read with plain loops (independent of flashtile)."""
+    if table is None:
+        return cache[b, :length]
+    page = cache.shape[1]
+    rows = [cache[table[b, pos // page], pos % page] for pos in range(length)]
+    return torch.stack(rows) if rows else cache[0, :0]
+
+
+def expected(q, k_cache, v_cache, table, k_new, v_new, kwargs, dtype=torch.float64):
+    """Per-sequence oracle over the cache contents before the call plus the new tokens."""
+    outs, lses = [], []
+    for b, cached in enumerate(CACHED):
+        keys, values = logical(k_cache, table, b, cached), logical(v_cache, table, b, cached)
+        if k_new is not None:
+            keys, values = torch.cat([keys, k_new[b]]), torch.cat([values, v_new[b]])
+        slopes = kwargs.get("alibi_slopes")
+        out, lse = flash_attn_reference(q[b:b + 1], keys[None], values[None], dtype=dtype,
+                                        **dict(kwargs, alibi_slopes=None if slopes is None else slopes[b:b + 1]))
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+SCENARIOS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (6, 0)},
+    "everything": {"causal": True, "softcap": 4.0, "softmax_scale": 0.5},
+}
+
+
+@pytest.mark.parametrize("num_splits", (1, 3, 8))
+@pytest.mark.parametrize("scenario", SCENARIOS.keys())
+@pytest.mark.parametrize("seqlen_q, seqlen_new", [(1, 1), (3, 3), (2, 0)], ids=("decode", "speculative", "no-append"))
+@pytest.mark.parametrize("page_size", (None, 16, 32), ids=("contiguous", "page16", "page32"))
+def test_float64_matches_the_oracle_and_appends(page_size, seqlen_q, seqlen_new, scenario, num_splits, seed):
+    dtype = torch.float64
+    k_cache, v_cache, table = make_cache(dtype, page_size)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    q = torch.randn(BATCH, seqlen_q, NHEADS, HEADDIM, dtype=dtype, device=DEVICE)
+    k_new = torch.randn(BATCH, seqlen_new, NHEADS_K, HEADDIM, dtype=dtype, device=DEVICE) if seqlen_new else None
+    v_new = torch.randn(BATCH, seqlen_new, NHEADS_K, HEADDIM_V, dtype=dtype, device=DEVICE) if seqlen_new else None
+    kwargs = dict(SCENARIOS[scenario])
+    if scenario == "everything":
+        kwargs["alibi_slopes"] = torch.rand(BATCH, NHEADS, dtype=dtype, device=DEVICE)
+    cache_seqlens = torch.tensor(CACHED, dtype=torch.int32, device=DEVICE)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                                 block_table=table, num_splits=num_splits, return_softmax_lse=True,
+                                                 **kwargs)
+    ref_out, ref_lse = expected(q, before_k, before_v, table, k_new, v_new, kwargs)
+    assert out.shape == (BATCH, seqlen_q, NHEADS, HEADDIM_V) and lse.dtype == torch.float32
+    assert_exact_to_oracle("out", out, ref_out, seed)
+    assert_exact_to_oracle("lse", lse, ref_lse, seed, tol=1e-5)
+    # the cache now holds the new tokens at cache_seqlens .. + seqlen_new, and nothing else changed
+    want_k, want_v = before_k.clone(), before_v.clone()
+    for b, cached in enumerate(CACHED):
+        for t in range(seqlen_new):
+            pos = cached + t
+            where = (b, pos) if table is None else (table[b, pos // page_size], pos % page_size)
+            want_k[where] = k_new[b, t]
+            want_v[where] = v_new[b, t]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=("fp32", "fp16", "bf16"))
+@pytest.mark.parametrize("scenario", SCENARIOS.keys())
+@pytest.mark.parametrize("seqlen_q", (1, 3), ids=("decode", "speculative"))
+@pytest.mark.parametrize("page_size", (None, 16, 48), ids=("contiguous", "page16", "page48"))
+def test_low_precision_follows_the_eager_rule_and_splits_agree(backend, page_size, seqlen_q, scenario, dtype, seed):
+    """Every backend, contiguous and paged caches (48: a page that 64-key blocks would straddle), 0, 1, 3, 8 splits."""
+    skip_unsupported(backend, dtype)
+    k_cache, v_cache, table = make_cache(dtype, page_size)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    q = torch.randn(BATCH, seqlen_q, NHEADS, HEADDIM, device=DEVICE).to(dtype)
+    k_new = torch.randn(BATCH, seqlen_q, NHEADS_K, HEADDIM, device=DEVICE).to(dtype)
+    v_new = torch.randn(BATCH, seqlen_q, NHEADS_K, HEADDIM_V, device=DEVICE).to(dtype)
+    kwargs = dict(SCENARIOS[scenario])
+    if scenario == "everything":
+        kwargs["alibi_slopes"] = torch.rand(BATCH, NHEADS, device=DEVICE)
+    cache_seqlens = torch.tensor(CACHED, dtype=torch.int32, device=DEVICE)
+    results = []
+    for num_splits in (0, 1, 3, 8):
+        k_cache.copy_(before_k)
+        v_cache.copy_(before_v)
+        with flashtile.use_backend(backend):
+            results.append(flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                                             table, num_splits=num_splits, return_softmax_lse=True,
+                                                             **kwargs))
+    ref_out, ref_lse = expected(q, before_k, before_v, table, k_new, v_new, kwargs)
+    eager_out, eager_lse = expected(q, before_k, before_v, table, k_new, v_new, kwargs, dtype=dtype)
+    for out, lse in results:
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+        assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.float32 if dtype == torch.float32 else dtype,
+                               seed)
+    magnitude = max(1.0, results[0][0].abs().max().item())
+    for out, _ in results[1:]:  # the split count changes only the rounding
+        torch.testing.assert_close(out.float(), results[0][0].float(), rtol=0,
+                                   atol=8 * torch.finfo(dtype).eps * magnitude)
+
+
+def test_query_groups_larger_than_one_tile(backend, seed):
+    """32 query heads per K/V head x 5 tokens = 160 rows: several row blocks per (batch, K/V head)."""
+    dtype = torch.float32
+    q = torch.randn(2, 5, 64, 16, device=DEVICE)
+    k_cache, v_cache = torch.randn(2, 100, 2, 16, device=DEVICE), torch.randn(2, 100, 2, 16, device=DEVICE)
+    with flashtile.use_backend(backend):
+        out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=77, causal=True, num_splits=3)
+    ref, _ = flash_attn_reference(q, k_cache[:, :77], v_cache[:, :77], causal=True)
+    eager, _ = flash_attn_reference(q, k_cache[:, :77], v_cache[:, :77], causal=True, dtype=dtype)
+    assert_close_to_oracle("out", out, ref, eager, dtype, seed)
+
+
+def test_split_heuristic_fills_the_gpu_only_when_needed():
+    from flashtile.triton.launch import choose_num_splits
+
+    assert choose_num_splits(programs=264, key_blocks=2048, sm_count=132) == 1  # batch x heads fill the GPU
+    assert choose_num_splits(programs=8, key_blocks=2048, sm_count=132) == 33  # two waves of 132 SMs
+    assert choose_num_splits(programs=1, key_blocks=2048, sm_count=132) == 64  # capped
+    assert choose_num_splits(programs=8, key_blocks=12, sm_count=132) == 3  # >= 4 key blocks per split
+    assert choose_num_splits(programs=8, key_blocks=2, sm_count=132) == 1
+
+
+def test_rows_without_keys_get_zero_and_minus_infinity():
+    k_cache, v_cache, _ = make_cache(torch.float32, None)
+    q = torch.randn(BATCH, 2, NHEADS, HEADDIM, device=DEVICE)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=0, return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+
+
+def test_cache_seqlens_none_means_full_caches():
+    k_cache, v_cache, _ = make_cache(torch.float64, None)
+    q = torch.randn(BATCH, 1, NHEADS, HEADDIM, dtype=torch.float64, device=DEVICE)
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache)
+    ref, _ = flash_attn_reference(q, k_cache, v_cache)
+    assert_exact_to_oracle("out", out, ref, 0)
+
+
+def _call(**changes):
+    k_cache, v_cache, table = make_cache(torch.float32, 16)
+    args = dict(q=torch.randn(BATCH, 1, NHEADS, HEADDIM, device=DEVICE), k_cache=k_cache, v_cache=v_cache,
+                k=torch.randn(BATCH, 2, NHEADS_K, HEADDIM, device=DEVICE),
+                v=torch.randn(BATCH, 2, NHEADS_K, HEADDIM_V, device=DEVICE),
+                cache_seqlens=torch.tensor(CACHED, dtype=torch.int32, device=DEVICE), block_table=table)
+    for key, change in changes.items():
+        args[key] = change(args)
+    return args
+
+
+BAD = [
+    (dict(cache_seqlens=lambda a: torch.tensor([5, 0, 63], dtype=torch.int32, device=DEVICE)), ValueError,
+     r"cache_seqlens\[2\] = 63 plus 2 new tokens exceeds the cache capacity of 64"),
+    (dict(block_table=lambda a: a["block_table"].index_fill(1, torch.tensor([0], device=DEVICE), 99)), ValueError,
+     r"block_table\[0, 0\] = 99 is not a block of the cache \(0 \.\. 13\)"),
+    (dict(block_table=lambda a: a["block_table"].long()), TypeError, "block_table must be int32"),
+    (dict(cache_seqlens=lambda a: a["cache_seqlens"].long()), TypeError, "cache_seqlens must be an int or an int32"),
+    (dict(cache_seqlens=lambda a: a["cache_seqlens"][:2]), ValueError, r"cache_seqlens must have shape \(batch,\)"),
+    (dict(cache_seqlens=lambda a: torch.tensor([5, -1, 4], dtype=torch.int32, device=DEVICE)), ValueError,
+     r"cache_seqlens\[1\] is -1"),
+    (dict(v=lambda a: None), ValueError, "k and v must be given together"),
+    (dict(k=lambda a: a["k"].half()), TypeError, "k must have q's dtype"),
+    (dict(k=lambda a: a["k"][:, :, :1]), ValueError, r"k must have shape \(batch, seqlen_new, nheads_k, 16\)"),
+    (dict(q=lambda a: a["q"][:, :0]), ValueError, "at least one query token"),
+    (dict(k_cache=lambda a: a["k_cache"][:, :8], v_cache=lambda a: a["v_cache"][:, :8]), ValueError,
+     "page_size to be a positive multiple of 16, got 8"),
+    (dict(k_cache=lambda a: a["k_cache"].double()), TypeError, "must share one dtype"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", BAD)
+def test_bad_inputs_raise_and_leave_the_cache_unchanged(changes, error, message):
+    args = _call(**changes)
+    before = {key: args[key].clone() for key in ("k_cache", "v_cache")}
+    with pytest.raises(error, match=message):
+        flashtile.flash_attn_with_kvcache(**args)
+    for key, value in before.items():
+        assert torch.equal(args[key], value), f"{key} changed although the call raised"
+
+
+def test_num_splits_must_be_a_non_negative_int():
+    args = _call()
+    with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
+        flashtile.flash_attn_with_kvcache(**args, num_splits=-2)
