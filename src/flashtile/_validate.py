@@ -213,6 +213,29 @@ class PreparedCall:
     cu_seqlens_k: torch.Tensor | None = None
 
 
+def _check_softcap(softcap: object) -> float:
+    cap = _require_real("softcap", softcap)
+    if cap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
+    return cap
+
+
+def _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                         return_lse, headdim) -> tuple[float, int, int, float]:
+    """The options flash_attn_func and flash_attn_varlen_func share: returns (scale, left, right, softcap)."""
+    _check_dropout(dropout_p)
+    _require_bool("causal", causal)
+    _require_bool("deterministic", deterministic)
+    _require_bool("return_lse", return_lse)
+    if _require_bool("return_attn_probs", return_attn_probs):
+        raise NotImplementedError(
+            "return_attn_probs=True would materialise the seqlen_q x seqlen_k probability matrix, which "
+            "flashtile never builds; use flashtile.reference for inspection, or return_lse=True")
+    scale = _check_scale(softmax_scale, "softmax_scale", headdim)
+    left, right = _check_window(window_size, causal)
+    return scale, left, right, _check_softcap(softcap)
+
+
 def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, return_attn_probs, return_lse) -> PreparedCall:
     """Validate `flash_attn_func` arguments (flash-attn layout, bottom-right alignment)."""
@@ -234,19 +257,8 @@ def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size
         raise ValueError(f"k has {nheads_k} heads but v has {nheads_v}; k and v must have the same heads")
     _check_headdims(headdim, headdim_v, "q", "v")
     _check_heads(nheads, nheads_k, "q", "k")
-    _check_dropout(dropout_p)
-    _require_bool("causal", causal)
-    _require_bool("deterministic", deterministic)
-    _require_bool("return_lse", return_lse)
-    if _require_bool("return_attn_probs", return_attn_probs):
-        raise NotImplementedError(
-            "return_attn_probs=True would materialise the seqlen_q x seqlen_k probability matrix, which "
-            "flashtile never builds; use flashtile.reference for inspection, or return_lse=True")
-    scale = _check_scale(softmax_scale, "softmax_scale", headdim)
-    left, right = _check_window(window_size, causal)
-    cap = _require_real("softcap", softcap)
-    if cap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
+    scale, left, right, cap = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
+                                                   deterministic, return_attn_probs, return_lse, headdim)
     slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
 
     problem = AttentionProblem(
@@ -322,19 +334,8 @@ def prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          f"they must have the same length")
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    _check_dropout(dropout_p)
-    _require_bool("causal", causal)
-    _require_bool("deterministic", deterministic)
-    _require_bool("return_lse", return_lse)
-    if _require_bool("return_attn_probs", return_attn_probs):
-        raise NotImplementedError(
-            "return_attn_probs=True would materialise the probability matrices, which flashtile never builds; "
-            "use flashtile.reference for inspection, or return_lse=True")
-    scale = _check_scale(softmax_scale, "softmax_scale", headdim)
-    left, right = _check_window(window_size, causal)
-    cap = _require_real("softcap", softcap)
-    if cap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
+    scale, left, right, cap = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
+                                                   deterministic, return_attn_probs, return_lse, headdim)
     slopes = _check_alibi(alibi_slopes, nseq, nheads, q.device, batch_name="nseq")
     problem = AttentionProblem(
         batch=nseq, nheads=nheads, nheads_k=nheads_k, seqlen_q=max_q, seqlen_k=max_k, headdim=headdim,
@@ -563,9 +564,7 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     _require_bool("return_softmax_lse", return_softmax_lse)
     scale = _check_scale(softmax_scale, "softmax_scale", headdim)
     left, right = _check_window(window_size, causal)
-    cap = _require_real("softcap", softcap)
-    if cap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
+    cap = _check_softcap(softcap)
     slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
     problem = AttentionProblem(
         batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=capacity, headdim=headdim,
