@@ -100,6 +100,8 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.from_json:
         return _redraw(args, report)
+    if args.mode is not None and args.mode.strip() == "decode":
+        return _bench_decode(args)
     try:
         config = runner.make_config(device=args.device, dtype=args.dtype, headdim=args.headdim, seqlens=args.seqlens,
                                     causal=args.causal, mode=args.mode, providers=args.providers, quick=args.quick,
@@ -115,12 +117,7 @@ def bench(args: argparse.Namespace) -> int:
         print("flashtile bench: error: " + "; ".join(problems), file=sys.stderr)
         return 2
 
-    interactive = sys.stderr.isatty()
-
-    def progress(message: str) -> None:
-        # a terminal sees one line rewritten in place; a log file gets every step
-        print(f"\r\033[K{message}" if interactive else message, end="" if interactive else "\n",
-              file=sys.stderr, flush=True)
+    progress, interactive = _progress_printer()
 
     def save(partial) -> None:
         if args.json:  # rewritten after every row, so a run cut short keeps what it measured
@@ -136,6 +133,49 @@ def bench(args: argparse.Namespace) -> int:
     if args.plot:
         report.write_plot(args.plot, result)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _progress_printer() -> tuple:
+    interactive = sys.stderr.isatty()
+
+    def progress(message: str) -> None:
+        # a terminal sees one line rewritten in place; a log file gets every step
+        print(f"\r\033[K{message}" if interactive else message, end="" if interactive else "\n",
+              file=sys.stderr, flush=True)
+
+    return progress, interactive
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    """`bench --mode decode`: the KV-cache bandwidth grid (table to stdout, progress to stderr, --json)."""
+    from .bench import decode
+
+    try:
+        config = decode.make_decode_config(device=args.device, dtype=args.dtype, batches=args.batches,
+                                           cache_lens=args.cache_lens, pages=args.pages, providers=args.providers,
+                                           quick=args.quick, max_call_seconds=float(args.max_call_seconds or 2.0))
+    except ValueError as error:
+        print(f"flashtile bench: error: {error}", file=sys.stderr)
+        return 2
+    problem = _output_path_error(args.json, "--json") or ("--plot: the decode mode draws no plot" if args.plot
+                                                          else None)
+    if problem:
+        print(f"flashtile bench: error: {problem}", file=sys.stderr)
+        return 2
+    progress, interactive = _progress_printer()
+
+    def save(partial) -> None:
+        if args.json:
+            decode.write_json(args.json, partial)
+
+    result = decode.run_decode_benchmark(config, progress=progress, on_row=save)
+    if interactive:
+        print(file=sys.stderr)
+    print(decode.format_decode_table(result), flush=True)
+    if args.json:
+        decode.write_json(args.json, result)
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -183,7 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--headdim", default=None, help="comma-separated head dims, each 1..256 (default 64,128)")
     b.add_argument("--seqlens", default=None, help="comma-separated sequence lengths (default 1024,4096,16384)")
     b.add_argument("--causal", default="both", help="both, yes or no (default both)")
-    b.add_argument("--mode", default=None, help="comma-separated subset of fwd,bwd,fwd+bwd (default all three)")
+    b.add_argument("--mode", default=None,
+                   help="comma-separated subset of fwd,bwd,fwd+bwd (default all three); or decode: KV-cache "
+                        "decoding bandwidth (--batches, --cache-lens, --pages)")
+    b.add_argument("--batches", default=None, help="decode: comma-separated batch sizes (default 1,8,64)")
+    b.add_argument("--cache-lens", default=None,
+                   help="decode: comma-separated cache lengths (default 4096,32768,131072)")
+    b.add_argument("--pages", default=None,
+                   help="decode: comma-separated page sizes, 0 = contiguous, else multiples of 16 (default 0,16,256)")
     b.add_argument("--providers", default=None,
                    help="comma-separated provider names or families (flashtile, sdpa); default: all")
     b.add_argument("--quick", action="store_true",

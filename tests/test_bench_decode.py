@@ -1,0 +1,52 @@
+"""`flashtile bench --mode decode` end to end on the CPU (the Triton decode kernel through the interpreter)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashtile import cli
+from flashtile.bench import decode
+
+
+@pytest.fixture(scope="module")
+def decode_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("decode") / "decode.json"
+    code = cli.main(["bench", "--mode", "decode", "--device", "cpu", "--quick", "--batches", "2",
+                     "--cache-lens", "80", "--pages", "0,16", "--json", str(path)])
+    assert code == 0
+    return json.loads(path.read_text())
+
+
+def test_rows_cover_the_grid_and_say_why_when_skipped(decode_run):
+    rows = decode_run["rows"]
+    assert decode_run["header"]["kind"] == "decode" and decode_run["header"]["copy_gbps"] > 0
+    assert {(r["provider"], r["page_size"]) for r in rows} == {
+        (p, page) for p in decode.PROVIDERS for page in (0, 16)}
+    for row in rows:
+        if row["status"] == "ok":
+            assert row["gbps"] > 0 and row["ms"] > 0 and row["kernels"], row
+            assert row["rel_error"] < 1e-5, row
+        else:
+            assert row["status"] == "skipped" and row["reason"], row
+    paged_sdpa = [r for r in rows if r["provider"] == "sdpa" and r["page_size"] == 16]
+    assert paged_sdpa[0]["reason"].startswith("torch SDPA reads only a contiguous cache")
+    assert all(r["status"] == "ok" for r in rows if r["provider"].startswith("flashtile"))
+
+
+def test_table_compares_with_sdpa(decode_run, capsys):
+    result = decode.DecodeResult(decode_run["header"], [decode.DecodeRow(**r) for r in decode_run["rows"]])
+    table = decode.format_decode_table(result)
+    assert "x sdpa" in table and "flashtile[torch]" in table and "contig" in table
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pages", "0,24"], "--pages: 24 is not 0 (contiguous) or a multiple of 16"),
+    (["--batches", "0"], "--batches: 0 must be >= 1"),
+    (["--providers", "flashtile[jax]"], "unknown decode provider 'flashtile[jax]'"),
+    (["--plot", "x.png"], "the decode mode draws no plot"),
+])
+def test_bad_options_exit_2_naming_the_option(argv, message, capsys):
+    assert cli.main(["bench", "--mode", "decode", "--device", "cpu", "--quick"] + argv) == 2
+    assert message in capsys.readouterr().err
