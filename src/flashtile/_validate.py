@@ -460,29 +460,36 @@ class KVCacheCall:
 
 def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, seqlen_new: int,
                         capacity: int, num_blocks: int, page_size: int | None) -> None:
-    """The rules that need the values of cache_seqlens and block_table (read on the host)."""
-    lengths = cache_seqlens.tolist()
-    for b, length in enumerate(lengths):
+    """The rules that need the values of cache_seqlens and block_table.
+
+    Evaluated on the tensors' device; only two booleans travel to the host (one synchronisation),
+    and the offending entry is looked up only when a rule is broken.
+    """
+    lengths = cache_seqlens.to(torch.int64)
+    bad_length = (lengths < 0) | (lengths + seqlen_new > capacity)
+    bad_block = torch.zeros_like(bad_length)
+    if block_table is not None:
+        used = (lengths.clamp(min=0) + seqlen_new + page_size - 1) // page_size  # pages holding each sequence
+        needed = torch.arange(block_table.shape[1], device=lengths.device)[None, :] < used[:, None]
+        bad_block = needed & ((block_table < 0) | (block_table >= num_blocks))
+    any_length, any_block = torch.stack([bad_length.any(), bad_block.any()]).tolist()
+    if any_length:
+        b = int(bad_length.nonzero()[0, 0])
+        length = int(lengths[b])
         if length < 0:
             raise ValueError(f"cache_seqlens[{b}] is {length}; it must be >= 0")
-        if length + seqlen_new > capacity:
-            raise ValueError(f"sequence {b}: cache_seqlens[{b}] = {length} plus {seqlen_new} new tokens exceeds the "
-                             f"cache capacity of {capacity} tokens; nothing was written")
-    if block_table is not None:
-        table = block_table.tolist()
-        for b, length in enumerate(lengths):
-            used = -(-(length + seqlen_new) // page_size)  # pages holding this sequence's keys
-            bad = [(i, page) for i, page in enumerate(table[b][:used]) if not 0 <= page < num_blocks]
-            if bad:
-                i, page = bad[0]
-                raise ValueError(f"block_table[{b}, {i}] = {page} is not a block of the cache (0 .. {num_blocks - 1}); "
-                                 f"nothing was written")
+        raise ValueError(f"sequence {b}: cache_seqlens[{b}] = {length} plus {seqlen_new} new tokens exceeds the "
+                         f"cache capacity of {capacity} tokens; nothing was written")
+    if any_block:
+        b, i = (int(x) for x in bad_block.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {i}] = {int(block_table[b, i])} is not a block of the cache "
+                         f"(0 .. {num_blocks - 1}); nothing was written")
 
 
 def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
                     softcap, alibi_slopes, num_splits, return_softmax_lse) -> KVCacheCall:
     """Validate `flash_attn_with_kvcache` arguments. Every rule is checked before anything is written,
-    including the capacity and block-table rules, which read cache_seqlens and block_table on the host."""
+    including the capacity and block-table rules (evaluated on the device; one synchronisation)."""
     _require_tensor("q", q)
     if q.dim() != 4:
         raise ValueError(f"q must have rank 4 (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
