@@ -174,3 +174,23 @@ def test_kvcache_decode_realistic(page_size, num_splits, seed):
         eager, eager_lse = flash_attn_reference(q[b:b + 1], keys, values, causal=True, dtype=dtype)
         assert_close_to_oracle(f"out[{b}]", out[b:b + 1], ref, eager, dtype, seed)
         assert_close_to_oracle(f"lse[{b}]", lse[b:b + 1], ref_lse, eager_lse, dtype, seed)
+
+
+def test_kvcache_decode_step_can_be_captured_in_a_cuda_graph():
+    """A decode step (append + attention) replays from a CUDA graph; the value checks are skipped in capture."""
+    dtype = torch.bfloat16
+    k_cache = torch.randn(2, 1024, 8, 128, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn(2, 1024, 8, 128, device=DEVICE, dtype=dtype)
+    lengths = torch.tensor([100, 900], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 1, 32, 128, device=DEVICE, dtype=dtype)
+    k_new = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=dtype)
+    v_new = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=dtype)
+    with flashtile.use_backend("triton"):
+        expected = flashtile.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, lengths)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected)
+    assert torch.equal(k_cache[1, 900], k_new[1, 0])

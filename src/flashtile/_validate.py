@@ -486,6 +486,14 @@ def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor |
                          f"(0 .. {num_blocks - 1}); nothing was written")
 
 
+def _capturing(device: torch.device) -> bool:
+    """True while a CUDA graph is being captured on the current stream or torch.compile traces: values
+    cannot be read back then, so the value checks are the caller's (documented) responsibility."""
+    if torch.compiler.is_compiling():
+        return True
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
                     softcap, alibi_slopes, num_splits, return_softmax_lse) -> KVCacheCall:
     """Validate `flash_attn_with_kvcache` arguments. Every rule is checked before anything is written,
@@ -563,7 +571,8 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
             raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-    _check_cache_values(cache_seqlens, block_table, seqlen_new, capacity, num_blocks, page_size)
+    if not _capturing(q.device):
+        _check_cache_values(cache_seqlens, block_table, seqlen_new, capacity, num_blocks, page_size)
 
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
