@@ -154,10 +154,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     call = prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            num_splits=num_splits, return_softmax_lse=return_softmax_lse)
-    chosen = _dispatch.plan(call.problem)  # raises before the cache is touched
+    name, tiles = _dispatch.resolve(call.problem)  # raises before the cache is touched; cached per problem
+    backend = _dispatch.BACKENDS[name]
     kvcache.append_to_cache(call)
     with torch.no_grad():
-        out, lse = chosen.backend.decode(call, chosen.tiles, call.num_splits)
+        out, lse = backend.decode(call, backend.tiles_from_list(list(tiles)), call.num_splits)
     return (out, lse) if return_softmax_lse else out
 
 
