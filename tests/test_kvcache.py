@@ -218,3 +218,16 @@ def test_num_splits_must_be_a_non_negative_int():
     args = _call()
     with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
         flashtile.flash_attn_with_kvcache(**args, num_splits=-2)
+
+
+def test_explain_names_the_decode_schedule(backend):
+    k_cache, v_cache, table = make_cache(torch.float32, 16)
+    q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device=DEVICE)
+    with flashtile.use_backend(backend):
+        text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=10,
+                                     block_table=table, num_splits=3, causal=True))
+    assert "KV cache of 64 tokens per sequence (paged, 16-token pages)" in text, text
+    expected = "attention_decode_kernel + attention_decode_combine_kernel" if backend == "triton" else "3 split(s)"
+    assert expected in text, text
+    bad = flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=70, block_table=table)
+    assert str(bad).startswith("this call would raise ValueError"), bad

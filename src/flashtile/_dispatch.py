@@ -76,6 +76,11 @@ class TorchBackend:
                                                        cu_seqlens_k)
         return torch_impl.attention_forward(q, k, v, alibi_slopes, attn_mask, problem, tiles)
 
+    def describe_decode(self, call, tiles) -> str:
+        splits = max(1, call.num_splits)
+        return (f"flashtile.kvcache.attention_over_cache: one dense tiled pass per sequence and split "
+                f"({splits} split(s); num_splits=0 means 1 here), {tiles.describe(call.problem)}")
+
     def decode(self, call, tiles, num_splits):
         from . import kvcache
 
@@ -144,6 +149,11 @@ class TritonBackend:
         from .triton import launch  # kernels are compiled (or interpreted) on first use
 
         return launch.forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k)
+
+    def describe_decode(self, call, tiles) -> str:
+        from .triton import launch
+
+        return launch.decode_geometry(call.problem, call.page_size, call.num_splits).describe()
 
     def decode(self, call, tiles, num_splits):
         from .triton import launch

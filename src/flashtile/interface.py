@@ -197,8 +197,9 @@ class Explanation(str):
 def explain(q, k, v, *, api="flash_attn_func", **kwargs) -> Explanation:
     """Describe the backend, kernel and tiles a call with these arguments would run, and why.
 
-    Takes the same arguments as `flash_attn_func` (or, with api="flash_attn_varlen_func" or
-    api="scaled_dot_product_attention", as that function; pass cu_seqlens_* and max_seqlen_* by keyword). Computes nothing. If the call would raise, the description names the error
+    Takes the same arguments as `flash_attn_func` (or, with api="flash_attn_varlen_func",
+    "flash_attn_with_kvcache" or "scaled_dot_product_attention", as that function; pass the extra
+    arguments by keyword; for the KV cache, k and v are the caches and new tokens go as k=, v=). Computes nothing. If the call would raise, the description names the error
     instead of raising it.
     """
     try:
@@ -206,11 +207,13 @@ def explain(q, k, v, *, api="flash_attn_func", **kwargs) -> Explanation:
             call: PreparedCall = prepare_flash_attn(q, k, v, **_flash_defaults(kwargs))
         elif api == "flash_attn_varlen_func":
             call = prepare_flash_attn_varlen(q, k, v, **_flash_varlen_defaults(kwargs))
+        elif api == "flash_attn_with_kvcache":
+            return _explain_kvcache(q, k, v, kwargs)
         elif api == "scaled_dot_product_attention":
             call, _ = prepare_sdpa(q, k, v, **_sdpa_defaults(kwargs))
         else:
-            raise ValueError(f"api must be 'flash_attn_func', 'flash_attn_varlen_func' or "
-                             f"'scaled_dot_product_attention', got {api!r}")
+            raise ValueError(f"api must be 'flash_attn_func', 'flash_attn_varlen_func', 'flash_attn_with_kvcache' "
+                             f"or 'scaled_dot_product_attention', got {api!r}")
         chosen = _dispatch.plan(call.problem)
     except (TypeError, ValueError, NotImplementedError, _dispatch.BackendUnavailableError) as error:
         return Explanation(f"this call would raise {type(error).__name__}: {error}")
@@ -224,6 +227,31 @@ def explain(q, k, v, *, api="flash_attn_func", **kwargs) -> Explanation:
         f"tiles: {chosen.backend.describe_tiles(p, chosen.tiles)}",
         f"arithmetic: {str(p.accumulation_dtype).replace('torch.', '')} accumulation; backward recomputes "
         f"probabilities from the saved log-sum-exp (no seqlen_q x seqlen_k tensor is stored)",
+    ]
+    return Explanation("\n".join(lines))
+
+
+def _explain_kvcache(q, k_cache, v_cache, kwargs: dict) -> Explanation:
+    """explain() for flash_attn_with_kvcache: k and v are the caches; new tokens go in kwargs as k=, v=."""
+    defaults = dict(k=None, v=None, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_softmax_lse=False)
+    try:
+        options = _merge("flash_attn_with_kvcache", defaults, kwargs)
+        call = prepare_kvcache(q, k_cache, v_cache, options.pop("k"), options.pop("v"), options.pop("cache_seqlens"),
+                               options.pop("block_table"), **options)
+        chosen = _dispatch.plan(call.problem)
+    except (TypeError, ValueError, _dispatch.BackendUnavailableError) as error:
+        return Explanation(f"this call would raise {type(error).__name__}: {error}")
+    p = call.problem
+    layout = "contiguous" if call.block_table is None else f"paged, {call.page_size}-token pages"
+    lines = [
+        f"backend: {chosen.backend.name!r} — {chosen.backend.kernel}",
+        f"why: {chosen.reason}",
+        f"problem: batch {p.batch}, seqlen_q {p.seqlen_q}, KV cache of {call.capacity} tokens per sequence "
+        f"({layout}), nheads {p.nheads} (nheads_k {p.nheads_k}), headdim {p.headdim}, headdim_v {p.headdim_v}, "
+        f"{str(p.dtype).replace('torch.', '')} on {p.device}",
+        f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()} (aligned to each sequence's last key)",
+        f"schedule: {chosen.backend.describe_decode(call, chosen.tiles)}",
     ]
     return Explanation("\n".join(lines))
 

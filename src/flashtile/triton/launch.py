@@ -8,6 +8,8 @@ dtype; lse (batch, nheads, seqlen_q) is contiguous float32, natural log.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -218,6 +220,37 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@dataclass(frozen=True)
+class DecodeGeometry:
+    """How attention_decode_kernel covers a KV-cache call: rows per program (a GQA group's query heads x
+    query tokens), keys per block, and the split of each sequence's key blocks."""
+
+    block_m: int
+    row_blocks: int
+    block_n: int
+    splits: int
+    blocks_per_split: int
+
+    def describe(self) -> str:
+        merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
+        return (f"attention_decode_kernel{merge}: {self.row_blocks} x {self.block_m} rows per (batch, K/V head) "
+                f"(query heads of a group x query tokens), {self.block_n}-key blocks, {self.splits} split(s) of "
+                f"up to {self.blocks_per_split} blocks")
+
+
+def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits: int) -> DecodeGeometry:
+    """The launch shape for a KV-cache problem (problem.seqlen_k is the cache capacity)."""
+    rows = problem.group_size * problem.seqlen_q
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    row_blocks = triton.cdiv(rows, block_m)
+    block_n = _decode_block_n(page_size)
+    key_blocks = max(1, triton.cdiv(problem.seqlen_k, block_n))
+    splits = num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
+                                             _sm_count(problem.device))
+    blocks_per_split = triton.cdiv(key_blocks, max(1, min(splits, key_blocks)))
+    return DecodeGeometry(block_m, row_blocks, block_n, triton.cdiv(key_blocks, blocks_per_split), blocks_per_split)
+
+
 def decode(call, num_splits: int):
     """Attention over a KV cache (kvcache.KVCacheCall, new tokens already appended): returns out
     (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32.
@@ -233,14 +266,9 @@ def decode(call, num_splits: int):
     if batch == 0:
         return out, lse
     slopes, slopes_stride, _, _, scalars, flags = _score_args(q, call.alibi_slopes, None, p)
-    rows = p.group_size * seqlen_q
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    row_blocks = triton.cdiv(rows, block_m)
-    block_n = _decode_block_n(call.page_size)
-    key_blocks = max(1, triton.cdiv(call.capacity, block_n))
-    splits = num_splits or choose_num_splits(batch * p.nheads_k * row_blocks, key_blocks, _sm_count(q.device))
-    blocks_per_split = triton.cdiv(key_blocks, max(1, min(splits, key_blocks)))
-    splits = triton.cdiv(key_blocks, blocks_per_split)
+    shape = decode_geometry(p, call.page_size, num_splits)
+    block_m, row_blocks, block_n, splits = shape.block_m, shape.row_blocks, shape.block_n, shape.splits
+    blocks_per_split, rows = shape.blocks_per_split, p.group_size * seqlen_q
     rows_padded = row_blocks * block_m
     if splits > 1:
         part_out = torch.empty(batch * p.nheads_k, splits, rows_padded, flags["BLOCK_DV"], dtype=torch.float32,
