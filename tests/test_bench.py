@@ -63,7 +63,8 @@ def test_rows_cover_the_quick_grid(quick_run):
     for row in rows:
         assert set(row) == ROW_KEYS, f"row keys differ: {set(row) ^ ROW_KEYS}"
         assert row["status"] in ("ok", "skipped", "failed"), row
-    names = [p.name for p in prov.all_providers()]
+    names = [p.name for p in prov.select_providers(None)]
+    assert "flashtile[triton:tma]" not in names  # forced schedules run only when named
     cells = {(r["headdim"], r["seqlen_q"], r["causal"], r["mode"]) for r in rows}
     assert cells == {(64, n, c, m) for n in (256, 512) for c in (False, True) for m in ("fwd", "fwd+bwd")}
     assert len(rows) == len(cells) * len(names)
@@ -250,8 +251,21 @@ def test_unknown_provider_lists_the_known_ones():
     assert all(p.name in message for p in prov.all_providers())
 
 
+def test_forced_forward_schedules_compute_the_same_function():
+    """flashtile[triton:tma] / [triton:tma-ws] (named explicitly) run their schedule and agree with float64."""
+    config = runner.make_config(device="cpu", quick=True, seqlens="64", causal="yes", mode="fwd",
+                                providers="flashtile[triton:tma],flashtile[triton:tma-ws]",
+                                max_call_seconds="0")  # the interpreter is slow
+    rows = runner.run_benchmark(config).rows
+    assert [r.provider for r in rows] == ["flashtile[triton:tma]", "flashtile[triton:tma-ws]"]
+    for row in rows:
+        assert row.status == "ok", row.reason
+        assert row.rel_error < 1e-5
+
+
 def test_provider_families():
-    assert [p.name for p in prov.select_providers(["flashtile"])] == [f"flashtile[{b}]" for b in _dispatch.BACKENDS]
+    assert [p.name for p in prov.select_providers(["flashtile"])] == (
+        [f"flashtile[{b}]" for b in _dispatch.BACKENDS] + ["flashtile[triton:tma]", "flashtile[triton:tma-ws]"])
     assert [p.name for p in prov.select_providers(["sdpa", "naive"])] == ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
                                                                           "sdpa-math", "naive"]
 

@@ -14,7 +14,8 @@ Each provider answers three questions:
     asked for (FlexAttention falling back to eager); None when they look right.
 
 The contenders: one "flashtile[<backend>]" per flashtile backend (so a new backend shows up by
-itself), torch SDPA with each backend forced ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
+itself), "flashtile[triton:tma]" / "flashtile[triton:tma-ws]" with a Triton forward schedule forced
+(only when named), torch SDPA with each backend forced ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
 "sdpa-math"), FlexAttention under torch.compile ("flex", CUDA only), naive materialised attention
 ("naive"), and the optional packages flash-attn 2 ("flash_attn") and FlashAttention 4's CuTe-DSL
 interface ("flash_attn.cute").
@@ -84,13 +85,18 @@ class Provider:
 
 
 class FlashtileProvider(Provider):
-    """flashtile.flash_attn_func with one backend forced through flashtile.use_backend."""
+    """flashtile.flash_attn_func with one backend forced through flashtile.use_backend, and optionally
+    one of the Triton forward schedules forced (otherwise the tile table chooses)."""
 
     io_model = "tiled"
+    SCHEDULE_NAMES = {1: "tma", 2: "tma-ws"}
 
-    def __init__(self, backend: str):
-        self.backend = backend
-        self.name = f"flashtile[{backend}]"
+    def __init__(self, backend: str, forward_schedule: int | None = None):
+        self.backend, self.forward_schedule = backend, forward_schedule
+        suffix = "" if forward_schedule is None else f":{self.SCHEDULE_NAMES[forward_schedule]}"
+        self.name = f"flashtile[{backend}{suffix}]"
+        # the forced schedules are for comparing schedules; the default grid runs what users get
+        self.in_default_grid = forward_schedule is None
 
     def unavailable_reason(self, problem: Problem) -> str | None:
         s = problem.shape
@@ -100,13 +106,18 @@ class FlashtileProvider(Provider):
         call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=s.causal, window_size=(-1, -1),
                                   softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                   return_lse=False)
-        return _dispatch.BACKENDS[self.backend].unavailable_reason(call.problem)
+        reason = _dispatch.BACKENDS[self.backend].unavailable_reason(call.problem)
+        if reason is None and self.forward_schedule is not None and problem.device.type == "cuda" and \
+                torch.cuda.get_device_capability(problem.device) < (9, 0):
+            reason = "the TMA forward schedules need a GPU of compute capability 9.0 or newer"
+        return reason
 
     def prepare(self, problem: Problem) -> Forward:
         backend, causal = self.backend, problem.shape.causal
+        tiles = {} if self.forward_schedule is None else {"forward_schedule": self.forward_schedule}
 
         def forward(q, k, v):
-            with flashtile.use_backend(backend):
+            with flashtile.use_backend(backend, **tiles):
                 return flashtile.flash_attn_func(q, k, v, causal=causal)
 
         return forward
@@ -324,6 +335,7 @@ class OptionalPackageProvider(Provider):
 def all_providers() -> list[Provider]:
     """Every contender, in the order of the table and the plot's legend."""
     providers: list[Provider] = [FlashtileProvider(name) for name in _dispatch.BACKENDS]
+    providers += [FlashtileProvider("triton", schedule) for schedule in FlashtileProvider.SCHEDULE_NAMES]
     providers += [SdpaProvider(label, backend) for label, backend in (
         ("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"),
         ("math", "MATH"))]
@@ -336,14 +348,15 @@ FAMILIES = {"flashtile": "flashtile[", "sdpa": "sdpa-"}
 
 
 def select_providers(names: list[str] | None) -> list[Provider]:
-    """The providers named (each a provider name, or a family: "flashtile" = every flashtile backend,
-    "sdpa" = every SDPA backend), in `all_providers` order; None selects all.
+    """The providers named (each a provider name, or a family: "flashtile" = every flashtile backend and
+    forced forward schedule, "sdpa" = every SDPA backend), in `all_providers` order; None selects all but
+    the forced schedules (flashtile[triton:tma], flashtile[triton:tma-ws]: name them to compare schedules).
 
     Raises ValueError naming --providers and listing the known names for an unknown name.
     """
     providers = all_providers()
     if names is None:
-        return providers
+        return [p for p in providers if getattr(p, "in_default_grid", True)]
     known = [p.name for p in providers]
     wanted = set()
     for name in names:
