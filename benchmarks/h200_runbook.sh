@@ -4,9 +4,10 @@
 #   bash benchmarks/h200_runbook.sh grid128   # the default bench grid, d = 128, every provider
 #   bash benchmarks/h200_runbook.sh grid64    # the same, d = 64
 #   bash benchmarks/h200_runbook.sh decode    # bench --mode decode (issue 5 grid) + varlen vs dense
+#   bash benchmarks/h200_runbook.sh schedules # forward schedules forced, beside cuDNN and FlexAttention
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, grid128, grid64 or decode}
+stage=${1:?stage: tests, grid128, grid64, decode or schedules}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -31,5 +32,10 @@ case $stage in
     tail -30 "$out/decode.txt"
     timeout 150 python benchmarks/varlen_vs_dense.py > "$out/varlen.txt" 2>&1
     cat "$out/varlen.txt" ;;
+  schedules)
+    timeout 400 python -m flashtile bench --device cuda --mode fwd \
+      --providers "flashtile[triton],flashtile[triton:tma],flashtile[triton:tma-ws],sdpa-cudnn,flex" \
+      --json "$out/$date-h200-forward-schedules.json" > "$out/schedules.txt" 2> "$out/schedules.progress"
+    tail -40 "$out/schedules.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
