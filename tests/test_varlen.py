@@ -153,6 +153,7 @@ def test_explain_describes_packed_sequences():
     text = str(flashtile.explain(q, k, v, api="flash_attn_varlen_func", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                  max_seqlen_q=max_q, max_seqlen_k=max_k, causal=True))
     assert "6 packed sequences" in text and "max_seqlen_q 33" in text, text
+    assert "tiles visited per" not in text, text  # counts from the hints would mislead
 
 
 def _valid():

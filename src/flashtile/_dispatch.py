@@ -66,6 +66,8 @@ class TorchBackend:
         return torch_impl.TorchTiles(*values)
 
     def describe_tiles(self, problem: AttentionProblem, tiles: torch_impl.TorchTiles) -> str:
+        if problem.varlen:
+            return f"{tiles.describe(problem)}; one dense pass per packed sequence, tiles following its length"
         visited, masked, full = count_visited_tiles(problem, tiles.block_q, tiles.block_k)
         return (f"{tiles.describe(problem)}; {visited} of {full} tiles visited per (batch, K/V head) "
                 f"({masked} with an element mask)")
@@ -141,6 +143,9 @@ class TritonBackend:
         return triton_configs.TritonTiles(*values)
 
     def describe_tiles(self, problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:
+        if problem.varlen:
+            return (f"{tiles.describe(problem)}; packed sequences: the grid covers max_seqlen, each program "
+                    f"visits only its sequence's blocks")
         visited, masked, full = count_visited_tiles(problem, tiles.block_m, tiles.block_n, aligned=True)
         return (f"{tiles.describe(problem)}; forward visits {visited} of {full} tiles per (batch, head) "
                 f"({masked} with an element mask)")
