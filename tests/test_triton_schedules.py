@@ -48,3 +48,23 @@ def test_masks_and_unaligned_strides_keep_the_pointer_kernel(seed):
             out = flashtile.scaled_dot_product_attention(*tensors, **kwargs)
         ref, _ = flashtile.reference.sdpa_reference(*tensors, **kwargs)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
+    """sm_90, fp16/bf16, >= 4k keys, dense: schedule 1; shorter, other GPUs, fp32, packed: the pointer kernel."""
+    import dataclasses
+
+    from flashtile._validate import AttentionProblem
+    from flashtile.triton.configs import default_tiles
+
+    base = AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=8192, seqlen_k=8192, headdim=128, headdim_v=128,
+                            dtype=torch.bfloat16, device=torch.device("cpu"), softmax_scale=0.1, window_left=-1,
+                            window_right=-1, diagonal_offset=0, alignment="bottom-right", softcap=0.0,
+                            has_alibi=False, mask_kind=None)
+    assert default_tiles(base, (9, 0)).forward_schedule == 1
+    assert default_tiles(dataclasses.replace(base, headdim=64, headdim_v=64), (9, 0)).forward_schedule == 1
+    for other in (dataclasses.replace(base, seqlen_k=2048), dataclasses.replace(base, dtype=torch.float32),
+                  dataclasses.replace(base, varlen=True)):
+        assert default_tiles(other, (9, 0)).forward_schedule == 0, other
+    assert default_tiles(base, (8, 0)).forward_schedule == 0
+    assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))  # opt-in only
