@@ -14,6 +14,6 @@ def test_readme_usage_example_runs():
     assert example, "README.md has no ```python block"
     namespace: dict = {}
     exec(compile(example.group(1).replace("print(", "str("), "README.md", "exec"), namespace)
-    assert namespace["out"].shape == (2 * 1024, 8, 32)  # the varlen result, packed
+    assert namespace["packed"].shape == (2 * 1024, 8, 32)  # the varlen result
     assert namespace["step"].shape == (2, 1, 8, 32)
     assert torch.equal(namespace["k_cache"][1, 900], namespace["k"][1, -1].detach())  # appended in place
