@@ -4,7 +4,8 @@
 #   bash benchmarks/h200_runbook.sh grid128   # the default bench grid, d = 128, every provider
 #   bash benchmarks/h200_runbook.sh grid64    # the same, d = 64
 #   bash benchmarks/h200_runbook.sh decode    # bench --mode decode (issue 5 grid) + varlen vs dense
-#   bash benchmarks/h200_runbook.sh schedules # forward schedules forced, beside cuDNN and FlexAttention
+#   bash benchmarks/h200_runbook.sh schedules # forward schedules forced, beside cuDNN and FlexAttention,
+#                                             # then where the warp-specialized schedule goes wrong
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
 stage=${1:?stage: tests, grid128, grid64, decode or schedules}
@@ -36,6 +37,8 @@ case $stage in
     timeout 400 python -m flashtile bench --device cuda --mode fwd \
       --providers "flashtile[triton],flashtile[triton:tma],flashtile[triton:tma-ws],sdpa-cudnn,flex" \
       --json "$out/$date-h200-forward-schedules.json" > "$out/schedules.txt" 2> "$out/schedules.progress"
-    tail -40 "$out/schedules.txt" ;;
+    tail -40 "$out/schedules.txt"
+    timeout 150 python benchmarks/ws_determinism.py > "$out/ws_determinism.txt" 2>&1
+    cat "$out/ws_determinism.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

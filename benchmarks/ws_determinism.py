@@ -1,0 +1,57 @@
+"""Narrow down the warp-specialized forward's failures on a Hopper GPU (schedule 2, BENCHMARKS.md).
+
+For each tile configuration and shape, runs the forward 30 times on the same inputs and reports how
+many runs differ bitwise from the first, and the largest error against float64 on a sub-sample of
+rows — for schedule 2 (TMA + warp specialization) and, as a control, schedule 1 (TMA only).
+
+    python benchmarks/ws_determinism.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+import flashtile
+from flashtile.reference import flash_attn_reference
+
+CONFIGS = [(128, 128, 2), (128, 64, 2), (64, 64, 2), (128, 128, 1)]  # BLOCK_M, BLOCK_N, stages (4 warps)
+SHAPES = [  # batch, seqlen, nheads, nheads_k, headdim, causal
+    (2, 2048, 16, 4, 128, False),
+    (1, 4100, 8, 2, 128, False),
+    (2, 2048, 16, 16, 64, False),
+    (2, 2048, 16, 4, 128, True),
+]
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
+    torch.manual_seed(0)
+    for batch, seqlen, nheads, nheads_k, headdim, causal in SHAPES:
+        q = torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=torch.bfloat16)
+        k = torch.randn(batch, seqlen, nheads_k, headdim, device=device, dtype=torch.bfloat16)
+        v = torch.randn(batch, seqlen, nheads_k, headdim, device=device, dtype=torch.bfloat16)
+        rows = slice(seqlen - 64, seqlen)  # bottom-right alignment keeps these rows' view of the keys
+        ref = flash_attn_reference(q[:1, rows], k[:1], v[:1], causal=causal)[0]
+        for schedule in (2, 1):
+            for block_m, block_n, stages in CONFIGS:
+                tiles = dict(forward_schedule=schedule, block_m=block_m, block_n=block_n, num_warps=4,
+                             num_stages=stages)
+                try:
+                    with flashtile.use_backend("triton", **tiles):
+                        runs = [flashtile.flash_attn_func(q, k, v, causal=causal) for _ in range(30)]
+                except Exception as error:  # noqa: BLE001 - a config that does not compile is reported
+                    print(f"  schedule {schedule} {tiles}: failed ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0][:100]})")
+                    continue
+                differing = sum(not torch.equal(run, runs[0]) for run in runs[1:])
+                nan = sum(bool(run.isnan().any()) for run in runs)
+                error = max((run[:1, rows].double() - ref).abs().max().item() for run in runs)
+                print(f"B{batch} N{seqlen} H{nheads}/{nheads_k} d{headdim} causal={int(causal)} schedule {schedule} "
+                      f"{block_m}x{block_n} s{stages}: {differing}/29 runs differ, {nan} with NaN, "
+                      f"max error vs float64 {error:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
