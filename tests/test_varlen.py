@@ -187,3 +187,15 @@ def test_bad_inputs_raise_naming_the_argument(mutate, error, message):
     mutate(args)
     with pytest.raises(error, match=message):
         flashtile.flash_attn_varlen_func(**args)
+
+
+def test_bitwise_deterministic(backend):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS["mixed"], 4, 2, 16, 16, torch.float32)
+    runs = []
+    with flashtile.use_backend(backend):
+        for _ in range(3):
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, deterministic=True)
+            runs.append((out,) + torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for run in runs[1:]:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(a, b), f"{name} differs between identical calls"
