@@ -189,6 +189,10 @@ BAD = [
      r"cache_seqlens\[2\] = 63 plus 2 new tokens exceeds the cache capacity of 64"),
     (dict(block_table=lambda a: a["block_table"].index_fill(1, torch.tensor([0], device=DEVICE), 99)), ValueError,
      r"block_table\[0, 0\] = 99 is not a block of the cache \(0 \.\. 13\)"),
+    (dict(cache_seqlens=lambda a: 63), ValueError, r"cache_seqlens is 63; with 2 new tokens it must stay within 0 \.\. 64"),
+    (dict(cache_seqlens=lambda a: -1), ValueError, r"cache_seqlens is -1"),
+    (dict(cache_seqlens=lambda a: 3, block_table=lambda a: a["block_table"].index_fill(
+        1, torch.tensor([0], device=DEVICE), -5)), ValueError, r"block_table\[0, 0\] = -5 is not a block"),
     (dict(block_table=lambda a: a["block_table"].long()), TypeError, "block_table must be int32"),
     (dict(cache_seqlens=lambda a: a["cache_seqlens"].long()), TypeError, "cache_seqlens must be an int or an int32"),
     (dict(cache_seqlens=lambda a: a["cache_seqlens"][:2]), ValueError, r"cache_seqlens must have shape \(batch,\)"),

@@ -557,12 +557,13 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
             raise ValueError(f"k has {k.shape[1]} new tokens but v has {v.shape[1]}; they must match")
         seqlen_new = k.shape[1]
 
+    host_length = None  # every sequence's cached length, when the caller gave it on the host
     if cache_seqlens is None:
         if seqlen_new:
             raise ValueError("appending k and v needs cache_seqlens (where each sequence's new tokens go)")
-        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        host_length = capacity
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+        host_length = int(cache_seqlens)
     else:
         _require_tensor("cache_seqlens", cache_seqlens)
         if cache_seqlens.dtype != torch.int32:
@@ -571,7 +572,13 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
             raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-    if not _capturing(q.device):
+    if host_length is not None:
+        # the length rules need no device work; the block table (if any) is checked for the pages in use
+        if host_length < 0 or host_length + seqlen_new > capacity:
+            raise ValueError(f"cache_seqlens is {host_length}; with {seqlen_new} new tokens it must stay within "
+                             f"0 .. {capacity} (the cache capacity); nothing was written")
+        cache_seqlens = torch.full((batch,), host_length, dtype=torch.int32, device=q.device)
+    if not _capturing(q.device) and (host_length is None or block_table is not None):
         _check_cache_values(cache_seqlens, block_table, seqlen_new, capacity, num_blocks, page_size)
 
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:

@@ -146,7 +146,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         TypeError / ValueError naming the argument and the rule, including a write past a cache's capacity
         and a block_table entry that is not a block of the cache; every check runs before anything is
         written, so a call that raises leaves the cache unchanged. (The capacity and block-table checks run
-        on the tensors' device and bring two booleans back: one synchronisation per call. While a CUDA
+        on the tensors' device and bring two booleans back: one synchronisation per call, none when
+        cache_seqlens is an int and the cache is contiguous. While a CUDA
         graph is being captured, or torch.compile traces, they cannot run and are skipped: the caller
         then guarantees them, as flash-attn always requires.)
         BackendUnavailableError when the requested backend cannot serve the call.
