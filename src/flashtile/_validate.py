@@ -462,20 +462,20 @@ def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor |
                         capacity: int, num_blocks: int, page_size: int | None) -> None:
     """The rules that need the values of cache_seqlens and block_table.
 
-    Evaluated on the tensors' device; only two booleans travel to the host (one synchronisation),
-    and the offending entry is looked up only when a rule is broken.
+    Evaluated on the tensors' device with few small ops; only one or two booleans travel to the host
+    (one synchronisation), and the offending entry is looked up only when a rule is broken.
     """
-    lengths = cache_seqlens.to(torch.int64)
-    bad_length = (lengths < 0) | (lengths + seqlen_new > capacity)
-    bad_block = torch.zeros_like(bad_length)
-    if block_table is not None:
-        used = (lengths.clamp(min=0) + seqlen_new + page_size - 1) // page_size  # pages holding each sequence
-        needed = torch.arange(block_table.shape[1], device=lengths.device)[None, :] < used[:, None]
+    bad_length = (cache_seqlens < 0) | (cache_seqlens > capacity - seqlen_new)
+    if block_table is None:
+        any_length, any_block = bool(bad_length.any()), False
+    else:
+        used = (cache_seqlens + (seqlen_new + page_size - 1)) // page_size  # pages holding each sequence
+        needed = torch.arange(block_table.shape[1], device=block_table.device) < used[:, None]
         bad_block = needed & ((block_table < 0) | (block_table >= num_blocks))
-    any_length, any_block = torch.stack([bad_length.any(), bad_block.any()]).tolist()
+        any_length, any_block = torch.stack([bad_length.any(), bad_block.any()]).tolist()
     if any_length:
         b = int(bad_length.nonzero()[0, 0])
-        length = int(lengths[b])
+        length = int(cache_seqlens[b])
         if length < 0:
             raise ValueError(f"cache_seqlens[{b}] is {length}; it must be >= 0")
         raise ValueError(f"sequence {b}: cache_seqlens[{b}] = {length} plus {seqlen_new} new tokens exceeds the "
