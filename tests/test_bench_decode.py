@@ -43,7 +43,8 @@ def test_table_compares_with_sdpa(decode_run, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--pages", "0,24"], "--pages: 24 is not 0 (contiguous) or a multiple of 16"),
-    (["--batches", "0"], "--batches: 0 must be >= 1"),
+    (["--batches", "0"], "--batches: 0 is not >= 1"),
+    (["--max-call-seconds", "soon"], "--max-call-seconds: 'soon' is not a number of seconds"),
     (["--providers", "flashtile[jax]"], "unknown decode provider 'flashtile[jax]'"),
     (["--plot", "x.png"], "the decode mode draws no plot"),
 ])

@@ -117,26 +117,19 @@ def bench(args: argparse.Namespace) -> int:
         print("flashtile bench: error: " + "; ".join(problems), file=sys.stderr)
         return 2
 
-    progress, interactive = _progress_printer()
-
-    def save(partial) -> None:
-        if args.json:  # rewritten after every row, so a run cut short keeps what it measured
-            report.write_json(args.json, partial)
-
-    result = runner.run_benchmark(config, progress=progress, on_row=save)
-    if interactive:
-        print(file=sys.stderr)
-    print(report.format_table(result), flush=True)
-    if args.json:
-        report.write_json(args.json, result)
-        print(f"wrote {args.json}")
+    result = _run_and_report(args, lambda progress, on_row: runner.run_benchmark(config, progress, on_row),
+                             report.format_table)
     if args.plot:
         report.write_plot(args.plot, result)
         print(f"wrote {args.plot}")
     return 0
 
 
-def _progress_printer() -> tuple:
+def _run_and_report(args: argparse.Namespace, run, format_table):
+    """Run a grid with progress on stderr and --json rewritten after every row (so a run cut short keeps
+    what it measured); print the table; return the result."""
+    from .bench import report
+
     interactive = sys.stderr.isatty()
 
     def progress(message: str) -> None:
@@ -144,7 +137,18 @@ def _progress_printer() -> tuple:
         print(f"\r\033[K{message}" if interactive else message, end="" if interactive else "\n",
               file=sys.stderr, flush=True)
 
-    return progress, interactive
+    def save(partial) -> None:
+        if args.json:
+            report.write_json(args.json, partial)
+
+    result = run(progress, save)
+    if interactive:
+        print(file=sys.stderr)
+    print(format_table(result), flush=True)
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return result
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
@@ -154,7 +158,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     try:
         config = decode.make_decode_config(device=args.device, dtype=args.dtype, batches=args.batches,
                                            cache_lens=args.cache_lens, pages=args.pages, providers=args.providers,
-                                           quick=args.quick, max_call_seconds=float(args.max_call_seconds or 2.0))
+                                           quick=args.quick, max_call_seconds=args.max_call_seconds)
     except ValueError as error:
         print(f"flashtile bench: error: {error}", file=sys.stderr)
         return 2
@@ -163,19 +167,8 @@ def _bench_decode(args: argparse.Namespace) -> int:
     if problem:
         print(f"flashtile bench: error: {problem}", file=sys.stderr)
         return 2
-    progress, interactive = _progress_printer()
-
-    def save(partial) -> None:
-        if args.json:
-            decode.write_json(args.json, partial)
-
-    result = decode.run_decode_benchmark(config, progress=progress, on_row=save)
-    if interactive:
-        print(file=sys.stderr)
-    print(decode.format_decode_table(result), flush=True)
-    if args.json:
-        decode.write_json(args.json, result)
-        print(f"wrote {args.json}")
+    _run_and_report(args, lambda progress, on_row: decode.run_decode_benchmark(config, progress, on_row),
+                    decode.format_decode_table)
     return 0
 
 

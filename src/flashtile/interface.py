@@ -24,10 +24,12 @@ and for seqlen_q = 5, seqlen_k = 2, causal:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from . import _dispatch
-from ._validate import PreparedCall, prepare_flash_attn, prepare_flash_attn_varlen, prepare_kvcache, prepare_sdpa
+from ._validate import prepare_flash_attn, prepare_flash_attn_varlen, prepare_kvcache, prepare_sdpa
 from . import kvcache
 from .autograd import attention
 
@@ -200,60 +202,45 @@ def explain(q, k, v, *, api="flash_attn_func", **kwargs) -> Explanation:
 
     Takes the same arguments as `flash_attn_func` (or, with api="flash_attn_varlen_func",
     "flash_attn_with_kvcache" or "scaled_dot_product_attention", as that function; pass the extra
-    arguments by keyword; for the KV cache, k and v are the caches and new tokens go as k=, v=). Computes nothing. If the call would raise, the description names the error
-    instead of raising it.
+    arguments by keyword; for the KV cache, k and v are the caches and new tokens go as k=, v=).
+    Computes nothing. If the call would raise, the description names the error instead of raising it.
     """
     try:
+        if api not in _EXPLAINED:
+            raise ValueError(f"api must be one of {', '.join(map(repr, _EXPLAINED))}, got {api!r}")
+        options = _merge(api, _keyword_defaults(_EXPLAINED[api]), kwargs)
         if api == "flash_attn_func":
-            call: PreparedCall = prepare_flash_attn(q, k, v, **_flash_defaults(kwargs))
+            call = prepare_flash_attn(q, k, v, **options)
         elif api == "flash_attn_varlen_func":
-            call = prepare_flash_attn_varlen(q, k, v, **_flash_varlen_defaults(kwargs))
+            call = prepare_flash_attn_varlen(q, k, v, **options)
         elif api == "flash_attn_with_kvcache":
-            return _explain_kvcache(q, k, v, kwargs)
-        elif api == "scaled_dot_product_attention":
-            call, _ = prepare_sdpa(q, k, v, **_sdpa_defaults(kwargs))
+            call = prepare_kvcache(q, k, v, options.pop("k"), options.pop("v"), options.pop("cache_seqlens"),
+                                   options.pop("block_table"), **options)
         else:
-            raise ValueError(f"api must be 'flash_attn_func', 'flash_attn_varlen_func', 'flash_attn_with_kvcache' "
-                             f"or 'scaled_dot_product_attention', got {api!r}")
+            call, _ = prepare_sdpa(q, k, v, **options)
         chosen = _dispatch.plan(call.problem)
     except (TypeError, ValueError, NotImplementedError, _dispatch.BackendUnavailableError) as error:
         return Explanation(f"this call would raise {type(error).__name__}: {error}")
     p = call.problem
-    lines = [
-        f"backend: {chosen.backend.name!r} — {chosen.backend.kernel}",
-        f"why: {chosen.reason}",
-        f"problem: {_describe_batch(p)}, nheads {p.nheads} (nheads_k {p.nheads_k}), headdim {p.headdim}, "
-        f"headdim_v {p.headdim_v}, {str(p.dtype).replace('torch.', '')} on {p.device}",
-        f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()}",
-        f"tiles: {chosen.backend.describe_tiles(p, chosen.tiles)}",
-        f"arithmetic: {str(p.accumulation_dtype).replace('torch.', '')} accumulation; backward recomputes "
-        f"probabilities from the saved log-sum-exp (no seqlen_q x seqlen_k tensor is stored)",
-    ]
-    return Explanation("\n".join(lines))
-
-
-def _explain_kvcache(q, k_cache, v_cache, kwargs: dict) -> Explanation:
-    """explain() for flash_attn_with_kvcache: k and v are the caches; new tokens go in kwargs as k=, v=."""
-    defaults = dict(k=None, v=None, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_softmax_lse=False)
-    try:
-        options = _merge("flash_attn_with_kvcache", defaults, kwargs)
-        call = prepare_kvcache(q, k_cache, v_cache, options.pop("k"), options.pop("v"), options.pop("cache_seqlens"),
-                               options.pop("block_table"), **options)
-        chosen = _dispatch.plan(call.problem)
-    except (TypeError, ValueError, _dispatch.BackendUnavailableError) as error:
-        return Explanation(f"this call would raise {type(error).__name__}: {error}")
-    p = call.problem
-    layout = "contiguous" if call.block_table is None else f"paged, {call.page_size}-token pages"
-    lines = [
-        f"backend: {chosen.backend.name!r} — {chosen.backend.kernel}",
-        f"why: {chosen.reason}",
-        f"problem: batch {p.batch}, seqlen_q {p.seqlen_q}, KV cache of {call.capacity} tokens per sequence "
-        f"({layout}), nheads {p.nheads} (nheads_k {p.nheads_k}), headdim {p.headdim}, headdim_v {p.headdim_v}, "
-        f"{str(p.dtype).replace('torch.', '')} on {p.device}",
-        f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()} (aligned to each sequence's last key)",
-        f"schedule: {chosen.backend.describe_decode(call, chosen.tiles)}",
-    ]
+    lines = [f"backend: {chosen.backend.name!r} — {chosen.backend.kernel}", f"why: {chosen.reason}"]
+    shape = (f"nheads {p.nheads} (nheads_k {p.nheads_k}), headdim {p.headdim}, headdim_v {p.headdim_v}, "
+             f"{str(p.dtype).replace('torch.', '')} on {p.device}")
+    if p.kvcache:
+        layout = "contiguous" if call.block_table is None else f"paged, {call.page_size}-token pages"
+        lines += [
+            f"problem: batch {p.batch}, seqlen_q {p.seqlen_q}, KV cache of {call.capacity} tokens per sequence "
+            f"({layout}), {shape}",
+            f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()} (aligned to each sequence's last key)",
+            f"schedule: {chosen.backend.describe_decode(call, chosen.tiles)}",
+        ]
+    else:
+        lines += [
+            f"problem: {_describe_batch(p)}, {shape}",
+            f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()}",
+            f"tiles: {chosen.backend.describe_tiles(p, chosen.tiles)}",
+            f"arithmetic: {str(p.accumulation_dtype).replace('torch.', '')} accumulation; backward recomputes "
+            f"probabilities from the saved log-sum-exp (no seqlen_q x seqlen_k tensor is stored)",
+        ]
     return Explanation("\n".join(lines))
 
 
@@ -264,22 +251,15 @@ def _describe_batch(p) -> str:
     return f"batch {p.batch}, seqlen_q {p.seqlen_q}, seqlen_k {p.seqlen_k}"
 
 
-def _flash_varlen_defaults(kwargs: dict) -> dict:
-    defaults = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
-                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    deterministic=False, return_attn_probs=False, return_lse=False)
-    return _merge("flash_attn_varlen_func", defaults, kwargs)
+_EXPLAINED = {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func,
+              "flash_attn_with_kvcache": flash_attn_with_kvcache,
+              "scaled_dot_product_attention": scaled_dot_product_attention}
 
 
-def _flash_defaults(kwargs: dict) -> dict:
-    defaults = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, return_lse=False)
-    return _merge("flash_attn_func", defaults, kwargs)
-
-
-def _sdpa_defaults(kwargs: dict) -> dict:
-    defaults = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
-    return _merge("scaled_dot_product_attention", defaults, kwargs)
+def _keyword_defaults(function) -> dict:
+    """The API's arguments after its three tensors, with their defaults (None where it has none)."""
+    parameters = list(inspect.signature(function).parameters.values())[3:]
+    return {p.name: None if p.default is inspect.Parameter.empty else p.default for p in parameters}
 
 
 def _merge(api: str, defaults: dict, kwargs: dict) -> dict:

@@ -29,15 +29,9 @@ import torch
 from . import torch_impl
 from ._validate import KVCacheCall
 
-NEG_INF = float("-inf")
-
-
-def _cache_rows(call: KVCacheCall, b: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index tensors (first, second) addressing key positions `positions` of sequence b in k_cache[first, second]."""
-    if call.block_table is None:
-        return torch.full_like(positions, b), positions
-    pages = call.block_table[b].to(torch.int64)[positions // call.page_size]
-    return pages, positions % call.page_size
+def _paged_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, slot) of key positions through block-table rows: table (..., max_blocks), positions (..., n)."""
+    return table.to(torch.int64).gather(-1, positions // page_size), positions % page_size
 
 
 def append_to_cache(call: KVCacheCall) -> None:
@@ -53,8 +47,7 @@ def append_to_cache(call: KVCacheCall) -> None:
     if call.block_table is None:
         first, second = torch.arange(batch, device=call.q.device)[:, None].expand(-1, seqlen_new), positions
     else:
-        first = call.block_table.to(torch.int64).gather(1, positions // call.page_size)
-        second = positions % call.page_size
+        first, second = _paged_slots(call.block_table, positions, call.page_size)
     call.k_cache[first, second] = call.k_new
     call.v_cache[first, second] = call.v_new
 
@@ -63,7 +56,7 @@ def sequence_keys(call: KVCacheCall, b: int, length: int) -> tuple[torch.Tensor,
     """Keys and values 0 .. length - 1 of sequence b as (1, length, nheads_k, dim) tensors."""
     if call.block_table is None:
         return call.k_cache[b:b + 1, :length], call.v_cache[b:b + 1, :length]
-    first, second = _cache_rows(call, b, torch.arange(length, device=call.q.device))
+    first, second = _paged_slots(call.block_table[b], torch.arange(length, device=call.q.device), call.page_size)
     return call.k_cache[first, second].unsqueeze(0), call.v_cache[first, second].unsqueeze(0)
 
 
@@ -101,9 +94,7 @@ def attention_over_cache(call: KVCacheCall, tiles: torch_impl.TorchTiles,
     for b, cached in enumerate(call.cache_seqlens.tolist()):
         length = cached + seqlen_new
         keys, values = sequence_keys(call, b, length)
-        slopes = call.alibi_slopes
-        if slopes is not None and slopes.shape[0] > 1:
-            slopes = slopes[b:b + 1]
+        slopes = torch_impl.sequence_slopes(call.alibi_slopes, b)
         partial_outs, partial_lses = [], []
         for k0, k1 in split_bounds(length, num_splits):
             chunk = replace(p, batch=1, seqlen_k=k1 - k0, diagonal_offset=length - seqlen_q - k0, kvcache=False)

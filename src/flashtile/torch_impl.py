@@ -298,7 +298,8 @@ def _sequences(problem: AttentionProblem, cu_seqlens_q: torch.Tensor, cu_seqlens
                                              diagonal_offset=length_k - length_q, varlen=False)
 
 
-def _sequence_slopes(alibi_slopes: torch.Tensor | None, index: int) -> torch.Tensor | None:
+def sequence_slopes(alibi_slopes: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    """The ALiBi slopes of batch entry `index` as (1, nheads) (shared (1, nheads) slopes pass through)."""
     if alibi_slopes is None or alibi_slopes.shape[0] == 1:
         return alibi_slopes
     return alibi_slopes[index:index + 1]
@@ -318,7 +319,7 @@ def varlen_attention_forward(q, k, v, alibi_slopes, problem: AttentionProblem, t
         if sequence.seqlen_q == 0:
             continue
         out[:, rows_q], lse[:, :, rows_q] = attention_forward(
-            q[:, rows_q], k[:, rows_k], v[:, rows_k], _sequence_slopes(alibi_slopes, index), None, sequence, tiles)
+            q[:, rows_q], k[:, rows_k], v[:, rows_k], sequence_slopes(alibi_slopes, index), None, sequence, tiles)
     return out, lse
 
 
@@ -333,6 +334,6 @@ def varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slope
             continue
         dq[:, rows_q], dk[:, rows_k], dv[:, rows_k] = attention_backward(
             grad_out[:, rows_q], None if grad_lse is None else grad_lse[:, :, rows_q], q[:, rows_q], k[:, rows_k],
-            v[:, rows_k], out[:, rows_q], lse[:, :, rows_q], _sequence_slopes(alibi_slopes, index), None, sequence,
+            v[:, rows_k], out[:, rows_q], lse[:, :, rows_q], sequence_slopes(alibi_slopes, index), None, sequence,
             tiles)
     return dq, dk, dv

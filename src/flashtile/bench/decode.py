@@ -13,7 +13,6 @@ flashtile.flash_attn_with_kvcache, so the per-call checks are in the time), and 
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import itertools
 from dataclasses import dataclass, field
@@ -25,7 +24,8 @@ import torch.nn.functional as F
 import flashtile
 from flashtile import _dispatch
 from flashtile._measure import executed_kernels
-from flashtile.bench.runner import DTYPES, Timing, _one_call_seconds, _time_ms, measure_ceilings
+from flashtile.bench.runner import (DTYPES, Timing, _time_ms, call_limit_reason, int_list, measure_copy_gbps,
+                                    seconds_limit)
 from flashtile.reference import flash_attn_reference
 
 PROVIDERS = tuple(f"flashtile[{name}]" for name in _dispatch.BACKEND_NAMES) + ("sdpa",)
@@ -80,27 +80,13 @@ class DecodeResult:
     rows: list[DecodeRow]
 
 
-def _ints(text: str | None, default: tuple[int, ...], argument: str, low: int) -> tuple[int, ...]:
-    if text is None:
-        return default
-    values = []
-    for item in text.split(","):
-        try:
-            value = int(item.strip())
-        except ValueError:
-            raise ValueError(f"{argument}: {item.strip()!r} is not an integer") from None
-        if value < low:
-            raise ValueError(f"{argument}: {value} must be >= {low}")
-        values.append(value)
-    return tuple(dict.fromkeys(values))
-
-
 def make_decode_config(*, device: str | None = None, dtype: str | None = None, batches: str | None = None,
                        cache_lens: str | None = None, pages: str | None = None, providers: str | None = None,
-                       quick: bool = False, max_call_seconds: float | None = 2.0) -> DecodeConfig:
+                       quick: bool = False, max_call_seconds: str | float | None = None) -> DecodeConfig:
     """Validate the decode grid. Defaults: the issue's grid on CUDA (batch 1, 8, 64; cache 4k, 32k, 128k;
     contiguous and pages of 16 and 256; 32 query heads on 8 K/V heads, d 128, bf16); --quick a CI-sized one.
-    Raises ValueError naming the option for a bad value (page sizes must be multiples of 16)."""
+    max_call_seconds as for the grid (runner.seconds_limit). Raises ValueError naming the option for a bad
+    value (page sizes must be multiples of 16)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cuda", "cpu"):
@@ -112,7 +98,7 @@ def make_decode_config(*, device: str | None = None, dtype: str | None = None, b
     small = quick or device == "cpu"
     grid = dict(batches=(1, 2), cache_lens=(256, 1024), pages=(0, 16), heads=(4, 2, 32)) if small else \
         dict(batches=(1, 8, 64), cache_lens=(4096, 32768, 131072), pages=(0, 16, 256), heads=(32, 8, 128))
-    page_sizes = _ints(pages, grid["pages"], "--pages", 0)
+    page_sizes = grid["pages"] if pages is None else int_list(pages, "--pages", 0, None)
     bad = [p for p in page_sizes if p % 16]
     if bad:
         raise ValueError(f"--pages: {bad[0]} is not 0 (contiguous) or a multiple of 16")
@@ -124,10 +110,12 @@ def make_decode_config(*, device: str | None = None, dtype: str | None = None, b
     timing = Timing(warmup_ms=5, rep_ms=20, cpu_repeats=3) if small else Timing(warmup_ms=25, rep_ms=100,
                                                                                  cpu_repeats=5)
     return DecodeConfig(device=torch.device(device), dtype_name=dtype,
-                        batches=_ints(batches, grid["batches"], "--batches", 1),
-                        cache_lens=_ints(cache_lens, grid["cache_lens"], "--cache-lens", 1), pages=page_sizes,
+                        batches=grid["batches"] if batches is None else int_list(batches, "--batches", 1, None),
+                        cache_lens=grid["cache_lens"] if cache_lens is None else int_list(cache_lens, "--cache-lens",
+                                                                                          1, None),
+                        pages=page_sizes,
                         nheads=nheads, nheads_k=nheads_k, headdim=headdim, providers=names, timing=timing,
-                        max_call_seconds=max_call_seconds or None, quick=quick)
+                        max_call_seconds=seconds_limit(max_call_seconds), quick=quick)
 
 
 @dataclass
@@ -181,13 +169,10 @@ def _measure(row: DecodeRow, provider: str, cell: _Cell, config: DecodeConfig, c
         step = _step(provider, cell, row.page_size)
         out = step()  # also compiles
         row.rel_error = ((out[0].double() - cell.reference).norm() / cell.reference.norm()).item()
-        if config.max_call_seconds is not None:
-            seconds = _one_call_seconds(step, config.device)
-            if seconds > config.max_call_seconds:
-                row.status = "skipped"
-                row.reason = (f"one call takes {seconds:.1f} s, over the limit of {config.max_call_seconds:g} s "
-                              f"per call (--max-call-seconds); not timed")
-                return
+        too_slow = call_limit_reason(step, config.device, config.max_call_seconds)
+        if too_slow is not None:
+            row.status, row.reason = "skipped", too_slow
+            return
         row.ms = _time_ms(step, config.device, config.timing, warm=True)
         row.kernels = list(dict.fromkeys(executed_kernels(step, config.device, limit=6)))[:3]
     except _dispatch.BackendUnavailableError as error:
@@ -213,12 +198,12 @@ def run_decode_benchmark(config: DecodeConfig, progress: Callable[[str], None] =
     """Measure the device copy bandwidth, then every row; `on_row` gets the result so far after each row."""
     torch.manual_seed(0)
     progress(f"measuring the device copy on {config.device.type}")
-    ceilings = measure_ceilings(config.device, config.dtype, config.timing)
+    copy_gbps, _ = measure_copy_gbps(config.device, config.timing)
     header = {"kind": "decode", "device": config.device.type,
               "device_name": torch.cuda.get_device_name(config.device) if config.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "flashtile": flashtile.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "dtype": config.dtype_name, "quick": config.quick, "copy_gbps": ceilings.copy_gbps,
+              "dtype": config.dtype_name, "quick": config.quick, "copy_gbps": copy_gbps,
               "timing": _describe_timing(config), "max_call_seconds": config.max_call_seconds,
               "bandwidth": "bytes of K and V read (batch x cache_len x nheads_k x 2 x headdim x itemsize) / time"}
     rows: list[DecodeRow] = []
@@ -234,7 +219,7 @@ def run_decode_benchmark(config: DecodeConfig, progress: Callable[[str], None] =
                             nheads_k=config.nheads_k, headdim=config.headdim, dtype=config.dtype_name)
             progress(f"[{len(rows) + 1}/{config.row_count}] {provider} batch {batch} cache {length} "
                      f"{'contiguous' if page == 0 else f'page {page}'}")
-            _measure(row, provider, cell, config, ceilings.copy_gbps)
+            _measure(row, provider, cell, config, copy_gbps)
             rows.append(row)
             on_row(DecodeResult(header, rows))
         del cell, q, k, v
@@ -260,11 +245,3 @@ def format_decode_table(result: DecodeResult) -> str:
         lines.append(f"{r.provider:18s} {r.batch:5d} {r.cache_len:7d} {page:>5s} {r.ms:9.4f} {r.gbps:7.1f} "
                      f"{100 * r.copy_fraction:5.1f}% {ratio:>6s} {r.rel_error:8.1e}  {', '.join(r.kernels)}")
     return "\n".join(lines)
-
-
-def write_json(path, result: DecodeResult) -> None:
-    import json
-    from pathlib import Path
-
-    document = {"header": result.header, "rows": [dataclasses.asdict(r) for r in result.rows]}
-    Path(path).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")

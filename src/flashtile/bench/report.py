@@ -107,7 +107,8 @@ def format_table(result: BenchResult) -> str:
 
 
 def write_json(path: str | Path, result: BenchResult) -> None:
-    """Write {"header": ..., "rows": [...]} with every field of every row (full kernel names)."""
+    """Write {"header": ..., "rows": [...]} with every field of every row (full kernel names); also serves
+    the decode grid's result (bench.decode.DecodeResult: a header and dataclass rows too)."""
     document = {"header": result.header, "rows": [dataclasses.asdict(row) for row in result.rows]}
     Path(path).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
 

@@ -123,7 +123,7 @@ class BenchConfig:
         return len(self.headdims) * len(self.seqlens) * len(self.causal) * len(self.modes) * len(self.providers)
 
 
-def _int_list(text: str, argument: str, low: int, high: int | None) -> tuple[int, ...]:
+def int_list(text: str, argument: str, low: int, high: int | None) -> tuple[int, ...]:
     values = []
     for item in text.split(","):
         try:
@@ -171,24 +171,26 @@ def make_config(*, device: str | None = None, dtype: str | None = None, headdim:
         if unknown:
             raise ValueError(f"--mode: {unknown[0]!r} is not one of {', '.join(MODES)}")
     names = None if providers is None else [p.strip() for p in providers.split(",")]
-    limit = DEFAULT_MAX_CALL_SECONDS if max_call_seconds is None else _seconds(max_call_seconds)
     return BenchConfig(
         device=torch.device(device), dtype_name=dtype,
-        headdims=defaults.headdims if headdim is None else _int_list(headdim, "--headdim", 1, MAX_HEADDIM),
-        seqlens=defaults.seqlens if seqlens is None else _int_list(seqlens, "--seqlens", 1, None),
+        headdims=defaults.headdims if headdim is None else int_list(headdim, "--headdim", 1, MAX_HEADDIM),
+        seqlens=defaults.seqlens if seqlens is None else int_list(seqlens, "--seqlens", 1, None),
         causal=CAUSAL_CHOICES[causal], modes=modes, providers=tuple(select_providers(names)),
         tokens_per_batch=defaults.tokens_per_batch, model_width=defaults.model_width, timing=defaults.timing,
-        quick=quick, max_call_seconds=limit or None)
+        quick=quick, max_call_seconds=seconds_limit(max_call_seconds))
 
 
-def _seconds(value: str | float) -> float:
+def seconds_limit(value: str | float | None) -> float | None:
+    """--max-call-seconds as typed: None gives DEFAULT_MAX_CALL_SECONDS, 0 gives None (no limit)."""
+    if value is None:
+        return DEFAULT_MAX_CALL_SECONDS
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"--max-call-seconds: {value!r} is not a number of seconds") from None
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"--max-call-seconds: {value!r} must be >= 0 (0 = no limit)")
-    return seconds
+    return seconds or None
 
 
 @dataclass
@@ -345,30 +347,41 @@ def _time_ms(fn: Callable[[], object], device: torch.device, timing: Timing, war
     return median_time_ms(fn, device, repeats=timing.cpu_repeats, warmup=0 if warm else 1)
 
 
-def _one_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Wall-clock seconds of one call of fn(), device work included."""
+def call_limit_reason(fn: Callable[[], object], device: torch.device, limit: float | None) -> str | None:
+    """Why fn is not timed: one call (device work included) takes over `limit` seconds; None otherwise."""
+    if limit is None:
+        return None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if seconds <= limit:
+        return None
+    return f"one call takes {seconds:.1f} s, over the limit of {limit:g} s per call (--max-call-seconds); not timed"
 
 
-def measure_ceilings(device: torch.device, dtype: torch.dtype, timing: Timing) -> Ceilings:
-    """Time an n^3 matmul in `dtype` (n = 8192 on CUDA, 2048 on the CPU) and a copy of a tensor
-    larger than the caches (1 GiB on CUDA, 256 MiB on the CPU)."""
-    n = 8192 if device.type == "cuda" else 2048
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    matmul_ms = _time_ms(lambda: a @ b, device, timing)
-    del a, b
+def measure_copy_gbps(device: torch.device, timing: Timing) -> tuple[float, int]:
+    """(GB/s counting bytes read + written, bytes) of a device copy of a tensor larger than the caches
+    (1 GiB on CUDA, 256 MiB on the CPU)."""
     source = torch.randn((2**30 if device.type == "cuda" else 2**28) // 4, device=device)
     target = torch.empty_like(source)
     copy_ms = _time_ms(lambda: target.copy_(source), device, timing)
     copy_bytes = 2 * source.numel() * source.element_size()
-    return Ceilings(matmul_tflops=2 * n**3 / (matmul_ms * 1e-3) / 1e12, matmul_size=n,
-                    copy_gbps=copy_bytes / (copy_ms * 1e-3) / 1e9, copy_bytes=copy_bytes)
+    return copy_bytes / (copy_ms * 1e-3) / 1e9, copy_bytes
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype, timing: Timing) -> Ceilings:
+    """Time an n^3 matmul in `dtype` (n = 8192 on CUDA, 2048 on the CPU) and a device copy (measure_copy_gbps)."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    matmul_ms = _time_ms(lambda: a @ b, device, timing)
+    del a, b
+    copy_gbps, copy_bytes = measure_copy_gbps(device, timing)
+    return Ceilings(matmul_tflops=2 * n**3 / (matmul_ms * 1e-3) / 1e12, matmul_size=n, copy_gbps=copy_gbps,
+                    copy_bytes=copy_bytes)
 
 
 def _cpu_name() -> str:
@@ -463,13 +476,10 @@ def _measure_row(row: Row, provider: Provider, problem: Problem, sets: list[Inpu
         if not math.isfinite(row.rel_error):
             row.status, row.reason, row.rel_error = "failed", f"{row.error_of} has NaN or inf entries", None
             return
-        if config.max_call_seconds is not None:
-            seconds = _one_call_seconds(timed, device)
-            if seconds > config.max_call_seconds:
-                row.status = "skipped"
-                row.reason = (f"one call takes {seconds:.1f} s, over the limit of {config.max_call_seconds:g} s "
-                              f"per call (--max-call-seconds); not timed")
-                return
+        too_slow = call_limit_reason(timed, device, config.max_call_seconds)
+        if too_slow is not None:
+            row.status, row.reason = "skipped", too_slow
+            return
         row.ms = _time_ms(timed, device, config.timing, warm=True)
         peak = peak_memory_growth_bytes(timed, device)
         row.peak_mib = None if peak is None else peak / 2**20
