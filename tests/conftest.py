@@ -119,3 +119,26 @@ def assert_exact_to_oracle(what: str, actual, oracle, seed, tol=1e-10):
     assert actual.shape == oracle.shape, f"{what}: shape {tuple(actual.shape)} != oracle {tuple(oracle.shape)}"
     error, where = max_abs_error(actual, oracle)
     assert error <= tol, f"{what}: max error {error:.3e} at {where} exceeds {tol:.0e} (float64, seed {seed})"
+
+
+def attention_grads(out, lse, inputs, grad_out, grad_lse):
+    """Gradients of <out, grad_out> + <lse, grad_lse> (a float64 loss; rows that see no key have lse = -inf
+    and are left out of the lse term); inputs that no gradient reaches get zeros."""
+    lse = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
+    loss = (out.double() * grad_out).sum() + (lse.double() * grad_lse).sum()
+    return torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
+
+
+def assert_attention_follows_the_eager_rule(got, want, eager, inputs, dtype, seed):
+    """got / want / eager: (out, lse) from flashtile, the float64 oracle and the same formula evaluated
+    eagerly in `dtype`. Checks out and lse, then dq, dk, dv through both (random cotangents), each within
+    2x the eager error + the rounding floor, and the dtypes flashtile returns."""
+    (out, lse), (ref_out, ref_lse), (eager_out, eager_lse) = got, want, eager
+    assert out.dtype == dtype and lse.dtype == torch.float32, f"out {out.dtype}, lse {lse.dtype}"
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.float32 if dtype == torch.float32 else dtype, seed)
+    grad_out, grad_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
+    grads = [attention_grads(o, l, inputs, grad_out, grad_lse) for o, l in (got, want, eager)]
+    for name, g, w, e in zip(("dq", "dk", "dv"), *grads):
+        assert g.dtype == dtype, f"{name} has dtype {g.dtype}, expected {dtype}"
+        assert_close_to_oracle(name, g, w, e, dtype, seed)

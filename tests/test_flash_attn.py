@@ -19,8 +19,8 @@ from flashtile._validate import prepare_flash_attn
 from flashtile.autograd import attention
 from flashtile.reference import attention_reference, flash_attn_reference
 
-from conftest import (DEVICE, LOW_PRECISION, assert_close_to_oracle, assert_exact_to_oracle, forced_tiles,
-                      random_qkv, skip_unsupported)
+from conftest import (DEVICE, LOW_PRECISION, assert_attention_follows_the_eager_rule, assert_close_to_oracle,
+                      assert_exact_to_oracle, forced_tiles, random_qkv, skip_unsupported)
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v)
 # small enough for Triton's CPU interpreter, still several 16-wide tiles in every direction
@@ -55,13 +55,6 @@ SCENARIOS = {
 LOW_PRECISION_IDS = ("fp32", "fp16", "bf16")
 
 
-def _grads(out, lse, inputs, grad_out, grad_lse):
-    """Gradients of <out, grad_out> + <lse, grad_lse> over rows that see keys."""
-    lse = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
-    loss = (out.double() * grad_out).sum() + (lse.double() * grad_lse).sum()
-    return torch.autograd.grad(loss, inputs)
-
-
 @pytest.mark.parametrize("tiles", [(7, 13), (16, 32), None], ids=["7x13", "16x32", "default"])
 @pytest.mark.parametrize("scenario", SCENARIOS.keys())
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
@@ -93,21 +86,10 @@ def test_low_precision_follows_the_eager_rule(backend, shape, scenario, dtype, s
     kwargs = SCENARIOS[scenario](shape)
     q, k, v = random_qkv(*shape, dtype, requires_grad=True)
     with forced_tiles(backend, 7, 13):
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-    assert out.dtype == dtype and lse.dtype == torch.float32
-    ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
-    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype, **kwargs)
-    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
-    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.float32 if dtype == torch.float32 else dtype, seed)
-
-    grad_out, grad_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
-    with forced_tiles(backend, 7, 13):
-        got = _grads(out, lse, (q, k, v), grad_out, grad_lse)
-    want = _grads(ref_out, ref_lse, (q, k, v), grad_out, grad_lse)
-    eager = _grads(eager_out, eager_lse, (q, k, v), grad_out, grad_lse)
-    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
-        assert g.dtype == dtype, f"{name} has dtype {g.dtype}, expected {dtype}"
-        assert_close_to_oracle(name, g, w, e, dtype, seed)
+        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
+                                            seed)
 
 
 def test_gradient_through_lse_float64(seed):

@@ -13,7 +13,7 @@ import torch
 import flashtile
 from flashtile.reference import flash_attn_reference
 
-from conftest import DEVICE, assert_close_to_oracle, random_qkv
+from conftest import DEVICE, assert_attention_follows_the_eager_rule, assert_close_to_oracle, random_qkv
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: run with FLASHTILE_TEST_DEVICE=cuda")
 
@@ -40,17 +40,10 @@ def test_triton_realistic_shapes(case, dtype, seed):
         kwargs["alibi_slopes"] = torch.rand(shape[3], device=DEVICE) * 0.1
     q, k, v = random_qkv(*shape, dtype, requires_grad=True)
     with flashtile.use_backend("triton"):
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-        grad_out = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), grad_out)
-    ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
-    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype, **kwargs)
-    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
-    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
-    want = torch.autograd.grad(ref_out, (q, k, v), grad_out.double())
-    eager = torch.autograd.grad(eager_out, (q, k, v), grad_out)
-    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
-        assert_close_to_oracle(name, g, w, e, dtype, seed)
+        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
+                                            seed)
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
@@ -114,18 +107,11 @@ def test_varlen_realistic_mixed_lengths(causal, dtype, seed):
     lengths_k = [900, 700, 2049, 65, 0, 1800]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, 128, dtype)
     with flashtile.use_backend("triton"):
-        out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2049, 2049, causal=causal, return_lse=True)
-        grad_out = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), grad_out)
-    ref_out, ref_lse = flashtile.reference.flash_attn_varlen_reference(q, k, v, cu_q, cu_k, causal=causal)
-    eager_out, eager_lse = flashtile.reference.flash_attn_varlen_reference(q, k, v, cu_q, cu_k, causal=causal,
-                                                                            dtype=dtype)
-    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
-    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
-    want = torch.autograd.grad(ref_out, (q, k, v), grad_out.double())
-    eager = torch.autograd.grad(eager_out, (q, k, v), grad_out)
-    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
-        assert_close_to_oracle(name, g, w, e, dtype, seed)
+        got = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2049, 2049, causal=causal, return_lse=True)
+    reference = flashtile.reference.flash_attn_varlen_reference
+    assert_attention_follows_the_eager_rule(got, reference(q, k, v, cu_q, cu_k, causal=causal),
+                                            reference(q, k, v, cu_q, cu_k, causal=causal, dtype=dtype), (q, k, v),
+                                            dtype, seed)
 
 
 def test_varlen_never_synchronises_so_cuda_graphs_capture_it():

@@ -13,8 +13,8 @@ import torch
 import flashtile
 from flashtile.reference import flash_attn_varlen_reference
 
-from conftest import (DEVICE, assert_close_to_oracle, assert_exact_to_oracle, forced_tiles, random_qkv,
-                      skip_unsupported)
+from conftest import (DEVICE, assert_attention_follows_the_eager_rule, assert_exact_to_oracle, attention_grads,
+                      forced_tiles, random_qkv, skip_unsupported)
 
 # per-sequence (query length, key length): ragged, empty on either side, q longer and shorter than k
 LENGTHS = {
@@ -48,12 +48,6 @@ SCENARIOS = {
 }
 
 
-def _grads(out, lse, inputs, grad_out, grad_lse):
-    lse = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
-    loss = (out.double() * grad_out).sum() + (lse.double() * grad_lse).sum()
-    return torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
-
-
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, kwargs):
     return flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kwargs)
 
@@ -76,8 +70,8 @@ def test_float64_is_exact_per_sequence(lengths, scenario, hint, seed):
     # through out only: the public lse is float32, so a cotangent on it is rounded to float32
     grad_out, grad_lse = torch.randn_like(ref_out), torch.zeros_like(ref_lse)
     with flashtile.use_backend("torch", block_q=7, block_k=5):
-        got = _grads(out, lse, (q, k, v), grad_out, grad_lse)
-    want = _grads(ref_out, ref_lse, (q, k, v), grad_out, grad_lse)
+        got = attention_grads(out, lse, (q, k, v), grad_out, grad_lse)
+    want = attention_grads(ref_out, ref_lse, (q, k, v), grad_out, grad_lse)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert_exact_to_oracle(name, g, w, seed)
 
@@ -94,20 +88,10 @@ def test_low_precision_follows_the_eager_rule(backend, lengths, scenario, hint, 
     if hint == "too-small":
         max_q, max_k = 1, 1
     with forced_tiles(backend, 7, 13):
-        out, lse = _run(q, k, v, cu_q, cu_k, max_q, max_k, kwargs)
-    assert out.dtype == dtype and lse.dtype == torch.float32
-    ref_out, ref_lse = flash_attn_varlen_reference(q, k, v, cu_q, cu_k, **kwargs)
-    eager_out, eager_lse = flash_attn_varlen_reference(q, k, v, cu_q, cu_k, dtype=dtype, **kwargs)
-    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
-    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.float32 if dtype == torch.float32 else dtype, seed)
-    grad_out, grad_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
-    with forced_tiles(backend, 7, 13):
-        got = _grads(out, lse, (q, k, v), grad_out, grad_lse)
-    want = _grads(ref_out, ref_lse, (q, k, v), grad_out, grad_lse)
-    eager = _grads(eager_out, eager_lse, (q, k, v), grad_out, grad_lse)
-    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, eager):
-        assert g.dtype == dtype, f"{name} has dtype {g.dtype}"
-        assert_close_to_oracle(name, g, w, e, dtype, seed)
+        got = _run(q, k, v, cu_q, cu_k, max_q, max_k, kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_varlen_reference(q, k, v, cu_q, cu_k, **kwargs),
+                                            flash_attn_varlen_reference(q, k, v, cu_q, cu_k, dtype=dtype, **kwargs),
+                                            (q, k, v), dtype, seed)
 
 
 def test_equal_lengths_match_the_dense_batch(backend, seed):
@@ -177,7 +161,7 @@ BAD = [
     (lambda a: a.update(max_seqlen_k=2.5), TypeError, "max_seqlen_k must be an int"),
     (lambda a: a.update(cu_seqlens_q=[0, 5]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
     (lambda a: a.update(alibi_slopes=torch.rand(5, 4, device=DEVICE)), ValueError, r"\(nseq, nheads\) = \(6, 4\)"),
-    (lambda a: a.update(v=a["v"][:-1]), ValueError, "k has 80 tokens but v has 79"),
+    (lambda a: a.update(v=a["v"][:-1]), ValueError, "k has total_tokens 80 but v has 79; k and v must have the same total_tokens"),
 ]
 
 

@@ -213,6 +213,28 @@ class PreparedCall:
     cu_seqlens_k: torch.Tensor | None = None
 
 
+def _check_flash_qkv(q, k, v, dims: tuple[str, ...]) -> None:
+    """The rules q, k, v share in flash-attn layouts, dims naming each dimension (the last three are
+    length, heads, head dim): tensors of that rank, one dtype and device, equal leading (batch)
+    dims, k and v of one length and head count, q and k of one head dim, valid head dims and groups."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _require_tensor(name, t)
+        if t.dim() != len(dims):
+            raise ValueError(f"{name} must have rank {len(dims)} ({', '.join(dims)}), got shape {tuple(t.shape)}")
+    _check_qkv_dtypes_devices(("q", "k", "v"), (q, k, v))
+    if k.shape[:-3] != q.shape[:-3] or v.shape[:-3] != q.shape[:-3]:
+        raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}")
+    length = dims[-3]
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q has head dim {q.shape[-1]} but k has {k.shape[-1]}; q and k head dims must match")
+    if v.shape[-3] != k.shape[-3]:
+        raise ValueError(f"k has {length} {k.shape[-3]} but v has {v.shape[-3]}; k and v must have the same {length}")
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"k has {k.shape[-2]} heads but v has {v.shape[-2]}; k and v must have the same heads")
+    _check_headdims(q.shape[-1], v.shape[-1], "q", "v")
+    _check_heads(q.shape[-2], k.shape[-2], "q", "k")
+
+
 def _check_softcap(softcap: object) -> float:
     cap = _require_real("softcap", softcap)
     if cap < 0:
@@ -239,24 +261,9 @@ def _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
 def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, return_attn_probs, return_lse) -> PreparedCall:
     """Validate `flash_attn_func` arguments (flash-attn layout, bottom-right alignment)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(name, t)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have rank 4 (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}")
-    _check_qkv_dtypes_devices(("q", "k", "v"), (q, k, v))
+    _check_flash_qkv(q, k, v, ("batch", "seqlen", "nheads", "headdim"))
     batch, seqlen_q, nheads, headdim = q.shape
-    batch_k, seqlen_k, nheads_k, headdim_k = k.shape
-    batch_v, seqlen_v, nheads_v, headdim_v = v.shape
-    if batch_k != batch or batch_v != batch:
-        raise ValueError(f"batch sizes differ: q has {batch}, k has {batch_k}, v has {batch_v}")
-    if headdim_k != headdim:
-        raise ValueError(f"q has head dim {headdim} but k has {headdim_k}; q and k head dims must match")
-    if seqlen_v != seqlen_k:
-        raise ValueError(f"k has seqlen {seqlen_k} but v has {seqlen_v}; k and v must have the same length")
-    if nheads_v != nheads_k:
-        raise ValueError(f"k has {nheads_k} heads but v has {nheads_v}; k and v must have the same heads")
-    _check_headdims(headdim, headdim_v, "q", "v")
-    _check_heads(nheads, nheads_k, "q", "k")
+    seqlen_k, nheads_k, headdim_v = k.shape[1], k.shape[2], v.shape[3]
     scale, left, right, cap = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
                                                    deterministic, return_attn_probs, return_lse, headdim)
     slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
@@ -311,22 +318,9 @@ def prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                               return_attn_probs, return_lse) -> PreparedCall:
     """Validate `flash_attn_varlen_func` arguments; q, k, v come back as (1, total, heads, dim) views."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(name, t)
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have rank 3 (total_tokens, nheads, headdim), got shape {tuple(t.shape)}")
-    _check_qkv_dtypes_devices(("q", "k", "v"), (q, k, v))
+    _check_flash_qkv(q, k, v, ("total_tokens", "nheads", "headdim"))
     total_q, nheads, headdim = q.shape
-    total_k, nheads_k, headdim_k = k.shape
-    total_v, nheads_v, headdim_v = v.shape
-    if headdim_k != headdim:
-        raise ValueError(f"q has head dim {headdim} but k has {headdim_k}; q and k head dims must match")
-    if total_v != total_k:
-        raise ValueError(f"k has {total_k} tokens but v has {total_v}; k and v must have the same tokens")
-    if nheads_v != nheads_k:
-        raise ValueError(f"k has {nheads_k} heads but v has {nheads_v}; k and v must have the same heads")
-    _check_headdims(headdim, headdim_v, "q", "v")
-    _check_heads(nheads, nheads_k, "q", "k")
+    total_k, nheads_k, headdim_v = k.shape[0], k.shape[1], v.shape[2]
     nseq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (q.shape[0])", q.device)
     nseq_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (k.shape[0])", q.device)
     if nseq_k != nseq:
