@@ -25,6 +25,7 @@ import triton.testing
 import flashtile
 from flashtile._dispatch import BACKENDS
 from flashtile._validate import prepare_flash_attn
+from flashtile.iomodel import AttentionShape, benchmark_flops
 from flashtile.triton import launch
 
 
@@ -74,7 +75,8 @@ def main() -> None:
                                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                           return_attn_probs=False, return_lse=False)
                 tiles = BACKENDS["triton"].choose_tiles(call.problem, {})
-                flops = 4 * batch * heads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
+                flops = benchmark_flops(AttentionShape(batch=batch, nheads=heads, seqlen_q=seqlen, seqlen_k=seqlen,
+                                                       headdim=headdim, causal=causal), "bwd")
                 tag = f"d{headdim} N{seqlen} B{batch} H{heads} causal={int(causal)}"
 
                 def step():
@@ -99,7 +101,7 @@ def main() -> None:
                     launch.backward(grad, None, call.q, call.k, call.v, out, lse, None, None, call.problem, tiles)
 
                 base = triton.testing.do_bench(backward, warmup=25, rep=100, return_mode="median")
-                print(f"{tag}: backward with the table's tiles {base:.3f} ms = {2.5 * flops / base / 1e9:.0f} "
+                print(f"{tag}: backward with the table's tiles {base:.3f} ms = {flops / base / 1e9:.0f} "
                       f"TFLOP/s ({tiles.describe(call.problem)})", flush=True)
                 for kind, configs, name, length_arg in (
                         ("dkdv", args.dkdv, "attention_bwd_dkdv_kernel", "seqlen_k"),
@@ -109,7 +111,7 @@ def main() -> None:
                         setattr(launch, name, Relaunch(original, parse(text), length_arg))
                         try:
                             ms = triton.testing.do_bench(backward, warmup=25, rep=100, return_mode="median")
-                            print(f"{tag}: {kind} {text}: backward {ms:.3f} ms = {2.5 * flops / ms / 1e9:.0f} "
+                            print(f"{tag}: {kind} {text}: backward {ms:.3f} ms = {flops / ms / 1e9:.0f} "
                                   f"TFLOP/s ({base / ms:.2f}x the table)", flush=True)
                         except Exception as error:  # a config that does not compile (shared memory) is skipped
                             print(f"{tag}: {kind} {text}: failed ({type(error).__name__}: "

@@ -27,6 +27,7 @@ import flashtile
 from flashtile._measure import executed_kernels
 from flashtile._validate import prepare_flash_attn
 from flashtile._dispatch import BACKENDS
+from flashtile.iomodel import AttentionShape, benchmark_flops
 
 
 def parse_config(text: str) -> tuple[int, int, int, int, int]:
@@ -37,9 +38,8 @@ def parse_config(text: str) -> tuple[int, int, int, int, int]:
 
 
 def tflops(ms: float, batch: int, heads: int, seqlen: int, headdim: int, causal: bool, mode: str) -> float:
-    flops = 4 * batch * heads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
-    flops *= {"fwd": 1.0, "fwd+bwd": 3.5}[mode]
-    return flops / ms / 1e9
+    shape = AttentionShape(batch=batch, nheads=heads, seqlen_q=seqlen, seqlen_k=seqlen, headdim=headdim, causal=causal)
+    return benchmark_flops(shape, mode) / ms / 1e9
 
 
 def bench(fn) -> float:

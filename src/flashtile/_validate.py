@@ -453,13 +453,17 @@ class KVCacheCall:
 
 
 def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, seqlen_new: int,
-                        capacity: int, num_blocks: int, page_size: int | None) -> None:
-    """The rules that need the values of cache_seqlens and block_table.
+                        capacity: int, num_blocks: int, page_size: int | None, lengths_checked: bool) -> None:
+    """The rules that need the values of cache_seqlens (unless lengths_checked: the caller checked them on
+    the host) and block_table.
 
     Evaluated on the tensors' device with few small ops; only one or two booleans travel to the host
     (one synchronisation), and the offending entry is looked up only when a rule is broken.
     """
-    bad_length = (cache_seqlens < 0) | (cache_seqlens > capacity - seqlen_new)
+    if lengths_checked:
+        bad_length = torch.zeros((), dtype=torch.bool, device=cache_seqlens.device)
+    else:
+        bad_length = (cache_seqlens < 0) | (cache_seqlens > capacity - seqlen_new)
     if block_table is None:
         any_length, any_block = bool(bad_length.any()), False
     else:
@@ -573,7 +577,8 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
                              f"0 .. {capacity} (the cache capacity); nothing was written")
         cache_seqlens = torch.full((batch,), host_length, dtype=torch.int32, device=q.device)
     if not _capturing(q.device) and (host_length is None or block_table is not None):
-        _check_cache_values(cache_seqlens, block_table, seqlen_new, capacity, num_blocks, page_size)
+        _check_cache_values(cache_seqlens, block_table, seqlen_new, capacity, num_blocks, page_size,
+                            lengths_checked=host_length is not None)
 
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")

@@ -266,6 +266,7 @@ def decode(call, num_splits: int):
     if batch == 0:
         return out, lse
     slopes, slopes_stride, _, _, scalars, flags = _score_args(q, call.alibi_slopes, None, p)
+    del flags["MASK_KIND"]  # a KV cache takes no attn_mask
     shape = decode_geometry(p, call.page_size, num_splits)
     block_m, row_blocks, block_n, splits = shape.block_m, shape.row_blocks, shape.block_n, shape.splits
     blocks_per_split, rows = shape.blocks_per_split, p.group_size * seqlen_q
@@ -290,10 +291,7 @@ def decode(call, num_splits: int):
         out.stride(0), out.stride(1), out.stride(2),
         p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.page_size or 1, blocks_per_split, rows_padded,
         score_scale, softcap_scale, softcap_out, window_left, window_right,
-        HEADDIM=flags["HEADDIM"], HEADDIM_V=flags["HEADDIM_V"], BLOCK_D=flags["BLOCK_D"], BLOCK_DV=flags["BLOCK_DV"],
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1, HAS_LEFT=flags["HAS_LEFT"],
-        HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
-        DOT_PRECISION=flags["DOT_PRECISION"], num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1, num_warps=4, num_stages=2, **flags)
     if splits > 1:
         attention_decode_combine_kernel[(batch * p.nheads_k, rows)](
             part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
