@@ -37,8 +37,16 @@ def test_rows_cover_the_grid_and_say_why_when_skipped(decode_run):
 
 def test_table_compares_with_sdpa(decode_run, capsys):
     result = decode.DecodeResult(decode_run["header"], [decode.DecodeRow(**r) for r in decode_run["rows"]])
-    table = decode.format_decode_table(result)
-    assert "x sdpa" in table and "flashtile[torch]" in table and "contig" in table
+    table = decode.format_decode_table(result).splitlines()
+    sdpa = {r.batch: r.gbps for r in result.rows if r.provider == "sdpa" and r.status == "ok"}
+    checked = 0
+    for row in result.rows:
+        if row.provider.startswith("flashtile") and row.status == "ok" and row.batch in sdpa:
+            page = "contig" if row.page_size == 0 else str(row.page_size)
+            line = next(l for l in table if l.split()[:4] == [row.provider, str(row.batch), str(row.cache_len), page])
+            assert f" {row.gbps / sdpa[row.batch]:.2f} " in line, line  # each flashtile row's ratio to SDPA
+            checked += 1
+    assert checked == 4, table
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -58,13 +58,13 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     """The table. capability is the CUDA compute capability, or None under the interpreter.
 
     Measured on the H200 (BENCHMARKS.md, 2026-11-29 sweeps, bf16, d = 64 and 128, N = 1k..16k):
-    - Hopper forward for fp16/bf16: TMA loads with 8 warps gain 3-8% over the pointer kernel from
-      N = 4k keys; below that the in-kernel descriptor set-up of every program costs more than it
-      saves (up to 30% at N = 1k). The warp-specialized loop (schedule 2) was fastest at d = 128
+    - Hopper forward for fp16/bf16: TMA loads with 8 warps changed the forward by -2% to +8% from
+      N = 4k keys (a gain in 6 of 8 cells); at N = 1k they lost 4-15% (presumably the in-kernel descriptor set-up of every
+      short program; not verified). The warp-specialized loop (schedule 2) was fastest at d = 128
       without a band (+19-23%) but, made the default, failed the GPU suite's 30-run determinism
       test and a ragged GQA accuracy test under triton 3.6, so it is opt-in only.
     - backward: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys was the best or
-      within 4% of the best of six dK/dV and six dQ tilings at N = 4k and 16k.
+      within 5% of the best of six dK/dV and six dQ tilings at N = 4k and 16k.
     """
     if capability is None:
         return TritonTiles(16, 16, 1, 1, 16, 16, 1, 1)
