@@ -75,9 +75,10 @@ def combine_splits(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
 
 def split_bounds(length: int, num_splits: int) -> list[tuple[int, int]]:
     """[k0, k1) key chunks of nearly equal size covering 0 .. length - 1 (at least one chunk)."""
-    num_splits = max(1, min(num_splits, length))
-    step = -(-length // num_splits) if length else 0
-    return [(k0, min(k0 + step, length)) for k0 in range(0, length, step)] if length else [(0, 0)]
+    if length == 0:
+        return [(0, 0)]
+    step = -(-length // max(1, min(num_splits, length)))
+    return [(k0, min(k0 + step, length)) for k0 in range(0, length, step)]
 
 
 def attention_over_cache(call: KVCacheCall, tiles: torch_impl.TorchTiles,
