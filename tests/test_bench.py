@@ -17,6 +17,8 @@ from flashtile.bench import runner
 from flashtile.iomodel import AttentionShape, benchmark_flops
 from flashtile.reference import flash_attn_reference
 
+from conftest import DEVICE
+
 HEADER_KEYS = {"device", "device_name", "driver", "cpu_threads", "torch", "triton", "cuda", "flashtile", "date",
                "dtype", "quick", "tokens_per_batch", "model_width", "seed", "timing", "flops_convention", "ceilings",
                "datasheet", "max_call_seconds"}
@@ -252,15 +254,17 @@ def test_unknown_provider_lists_the_known_ones():
 
 
 def test_forced_forward_schedules_compute_the_same_function():
-    """flashtile[triton:tma] / [triton:tma-ws] (named explicitly) run their schedule and agree with float64."""
-    config = runner.make_config(device="cpu", quick=True, seqlens="64", causal="yes", mode="fwd",
+    """flashtile[triton:tma] / [triton:tma-ws] (named explicitly) run their schedule and agree with float64
+    (on the test device: the interpreter in fp32 on CPU, the GPU's bf16 kernels with FLASHTILE_TEST_DEVICE=cuda)."""
+    config = runner.make_config(device=DEVICE.type, quick=True, seqlens="64", causal="yes", mode="fwd",
                                 providers="flashtile[triton:tma],flashtile[triton:tma-ws]",
                                 max_call_seconds="0")  # the interpreter is slow
     rows = runner.run_benchmark(config).rows
     assert [r.provider for r in rows] == ["flashtile[triton:tma]", "flashtile[triton:tma-ws]"]
     for row in rows:
         assert row.status == "ok", row.reason
-        assert row.rel_error < 1e-5
+        # bf16 rounding of out alone is ~2e-3 (the grid's every provider measures 2.2e-3 to 2.4e-3)
+        assert row.rel_error < (1e-5 if config.dtype == torch.float32 else 5e-3), row
 
 
 def test_provider_families():

@@ -1,4 +1,5 @@
-"""`flashtile bench --mode decode` end to end on the CPU (the Triton decode kernel through the interpreter)."""
+"""`flashtile bench --mode decode` end to end on the test device: on the CPU the Triton decode kernel runs
+through the interpreter; with FLASHTILE_TEST_DEVICE=cuda on the GPU (fp32 in both, so the float64 check is tight)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import pytest
 from flashtile import cli
 from flashtile.bench import decode
 
+from conftest import DEVICE
+
 
 @pytest.fixture(scope="module")
 def decode_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("decode") / "decode.json"
-    code = cli.main(["bench", "--mode", "decode", "--device", "cpu", "--quick", "--batches", "2",
-                     "--cache-lens", "80", "--pages", "0,16", "--json", str(path)])
+    code = cli.main(["bench", "--mode", "decode", "--device", DEVICE.type, "--dtype", "fp32", "--quick",
+                     "--batches", "2", "--cache-lens", "80", "--pages", "0,16", "--json", str(path)])
     assert code == 0
     return json.loads(path.read_text())
 

@@ -180,3 +180,31 @@ def test_kvcache_decode_step_can_be_captured_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(captured, expected)
     assert torch.equal(k_cache[1, 900], k_new[1, 0])
+
+
+@pytest.mark.parametrize("page_size", (None, 16), ids=("contiguous", "page16"))
+def test_kvcache_decode_step_never_synchronises_by_default(page_size):
+    """With device cache_seqlens and block_table, the default (check_values=None) reads no value back:
+    torch's sync debug mode turns any synchronisation into an error. check_values=True does synchronise."""
+    dtype, batch, capacity = torch.bfloat16, 2, 1024
+    if page_size is None:
+        k_cache = torch.randn(batch, capacity, 8, 128, device=DEVICE, dtype=dtype)
+        table = None
+    else:
+        k_cache = torch.randn(batch * capacity // page_size, page_size, 8, 128, device=DEVICE, dtype=dtype)
+        table = torch.randperm(k_cache.shape[0], device=DEVICE).view(batch, -1).to(torch.int32)
+    v_cache = torch.randn_like(k_cache)
+    lengths = torch.tensor([100, 900], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, 1, 32, 128, device=DEVICE, dtype=dtype)
+    k_new, v_new = (torch.randn(batch, 1, 8, 128, device=DEVICE, dtype=dtype) for _ in range(2))
+    with flashtile.use_backend("triton"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths, table)  # compiles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths, table)
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths, table,
+                                                  check_values=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -152,7 +152,8 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
     from flashtile.triton.launch import choose_num_splits
 
     assert choose_num_splits(programs=264, key_blocks=2048, sm_count=132) == 1  # batch x heads fill the GPU
-    assert choose_num_splits(programs=8, key_blocks=2048, sm_count=132) == 33  # two waves of 132 SMs
+    assert choose_num_splits(programs=64, key_blocks=2048, sm_count=132) == 9  # four waves of 132 SMs
+    assert choose_num_splits(programs=8, key_blocks=2048, sm_count=132) == 64  # capped
     assert choose_num_splits(programs=1, key_blocks=2048, sm_count=132) == 64  # capped
     assert choose_num_splits(programs=8, key_blocks=12, sm_count=132) == 3  # >= 4 key blocks per split
     assert choose_num_splits(programs=8, key_blocks=2, sm_count=132) == 1
@@ -210,12 +211,42 @@ BAD = [
 
 @pytest.mark.parametrize("changes, error, message", BAD)
 def test_bad_inputs_raise_and_leave_the_cache_unchanged(changes, error, message):
+    """check_values=True: the value rules run on a GPU too (by default they run where they are free)."""
     args = _call(**changes)
     before = {key: args[key].clone() for key in ("k_cache", "v_cache")}
     with pytest.raises(error, match=message):
-        flashtile.flash_attn_with_kvcache(**args)
+        flashtile.flash_attn_with_kvcache(**args, check_values=True)
     for key, value in before.items():
         assert torch.equal(args[key], value), f"{key} changed although the call raised"
+
+
+def test_value_rules_run_by_default_only_where_they_are_free():
+    args = _call(cache_seqlens=lambda a: torch.tensor([5, 0, 70], dtype=torch.int32, device=DEVICE))
+    args.update(k=None, v=None)  # a read past capacity: unchecked, it must stay inside the cache
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match="exceeds the cache capacity"):
+            flashtile.flash_attn_with_kvcache(**args)
+    with flashtile.use_backend("triton"):
+        out = flashtile.flash_attn_with_kvcache(**args, check_values=False)
+    assert bool(out.isfinite().all())
+    with pytest.raises(TypeError, match="check_values must be None, True or False"):
+        flashtile.flash_attn_with_kvcache(**args, check_values="yes")
+
+
+def test_unchecked_values_never_take_the_kernel_outside_the_cache():
+    """check_values=False with lengths past the capacity and block indices outside the cache: the Triton
+    kernel clamps both (reads `capacity` keys of in-range blocks), so it equals the clamped call."""
+    args = _call()
+    args.update(k=None, v=None, cache_seqlens=torch.full((BATCH,), 1000, dtype=torch.int32, device=DEVICE))
+    table = args["block_table"]
+    wild = table.clone()
+    wild[:, 0] = -7
+    wild[:, 1] = table.shape[0] * 100
+    clamped = wild.clamp(0, args["k_cache"].shape[0] - 1).to(torch.int32)
+    with flashtile.use_backend("triton"):
+        out = flashtile.flash_attn_with_kvcache(**dict(args, block_table=wild), check_values=False)
+        expected = flashtile.flash_attn_with_kvcache(**dict(args, block_table=clamped, cache_seqlens=None))
+    assert torch.equal(out, expected)
 
 
 def test_num_splits_must_be_a_non_negative_int():
@@ -225,13 +256,13 @@ def test_num_splits_must_be_a_non_negative_int():
 
 
 def test_explain_names_the_decode_schedule(backend):
-    k_cache, v_cache, table = make_cache(torch.float32, 16)
+    k_cache, v_cache, table = make_cache(torch.float32, 16, max_blocks=12)  # three 64-key blocks: 3 splits
     q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device=DEVICE)
     with flashtile.use_backend(backend):
         text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=10,
                                      block_table=table, num_splits=3, causal=True))
-    assert "KV cache of 64 tokens per sequence (paged, 16-token pages)" in text, text
+    assert "KV cache of 192 tokens per sequence (paged, 16-token pages)" in text, text
     expected = "attention_decode_kernel + attention_decode_combine_kernel" if backend == "triton" else "3 split(s)"
     assert expected in text, text
-    bad = flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=70, block_table=table)
+    bad = flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=200, block_table=table)
     assert str(bad).startswith("this call would raise ValueError"), bad

@@ -150,12 +150,8 @@ BAD = [
     (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), TypeError, "cu_seqlens_q must be int32"),
     (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"].float()), TypeError, "cu_seqlens_k must be int32"),
     (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].view(1, -1)), ValueError, r"shape \(nseq \+ 1,\)"),
-    (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].flip(0)), ValueError, r"cu_seqlens_q\[0\] must be 0"),
-    (lambda a: a["cu_seqlens_q"].__setitem__(2, 40), ValueError, "cu_seqlens_q must be non-decreasing"),
-    (lambda a: a["cu_seqlens_k"].__setitem__(-1, 3), ValueError, "must be non-decreasing|must equal total_k"),
     (lambda a: a.update(cu_seqlens_k=torch.cat([a["cu_seqlens_k"], a["cu_seqlens_k"][-1:]])), ValueError,
      "describes 6 sequences but cu_seqlens_k describes 7"),
-    (lambda a: a.update(q=a["q"][:-1]), ValueError, r"cu_seqlens_q\[-1\] must equal total_q"),
     (lambda a: a.update(q=a["q"][None]), ValueError, "q must have rank 3"),
     (lambda a: a.update(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
     (lambda a: a.update(max_seqlen_k=2.5), TypeError, "max_seqlen_k must be an int"),
@@ -165,10 +161,29 @@ BAD = [
 ]
 
 
+# Rules on the values of cu_seqlens: checked where the values are on the host (CPU tensors). On a GPU
+# only dtype, shape and device are checked, so a call never waits for the device (the documented contract).
+BAD_VALUES = [
+    (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].flip(0)), ValueError, r"cu_seqlens_q\[0\] must be 0"),
+    (lambda a: a["cu_seqlens_q"].__setitem__(2, 40), ValueError, "cu_seqlens_q must be non-decreasing"),
+    (lambda a: a["cu_seqlens_k"].__setitem__(-1, 3), ValueError, "must be non-decreasing|must equal total_k"),
+    (lambda a: a.update(q=a["q"][:-1]), ValueError, r"cu_seqlens_q\[-1\] must equal total_q"),
+]
+
+
 @pytest.mark.parametrize("mutate, error, message", BAD)
 def test_bad_inputs_raise_naming_the_argument(mutate, error, message):
     args = _valid()
     mutate(args)
+    with pytest.raises(error, match=message):
+        flashtile.flash_attn_varlen_func(**args)
+
+
+@pytest.mark.parametrize("mutate, error, message", BAD_VALUES)
+def test_bad_cu_seqlens_values_raise_on_the_host(mutate, error, message):
+    args = _valid()
+    mutate(args)
+    args = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
     with pytest.raises(error, match=message):
         flashtile.flash_attn_varlen_func(**args)
 

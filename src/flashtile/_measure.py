@@ -126,8 +126,9 @@ def _native_stderr_silenced() -> Iterator[None]:
 _PROFILER_ARTIFACTS = {"Activity Buffer Request"}
 
 
-def executed_kernels(fn: Callable[[], object], device: torch.device, limit: int = 3) -> list[str]:
-    """Names of what fn() executed: CUDA kernels on the GPU, the heaviest aten ops on the CPU."""
+def timed_kernels(fn: Callable[[], object], device: torch.device) -> list[tuple[str, float]]:
+    """(name, microseconds) of what one call of fn() executed, heaviest first: CUDA kernels with their
+    device time on the GPU, the aten ops with their CPU time on the CPU."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -140,7 +141,12 @@ def executed_kernels(fn: Callable[[], object], device: torch.device, limit: int 
         # prefer device-side events (kernels, memsets) where the profiler labels them: the host operators
         # that enclose kernels also carry device time and would otherwise be listed beside them
         kernels = [e for e in candidates if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-        timed = [(e.self_device_time_total, e.key) for e in (kernels or candidates)]
+        timed = [(e.key, e.self_device_time_total) for e in (kernels or candidates)]
     else:
-        timed = [(e.self_cpu_time_total, e.key) for e in events if e.key.startswith("aten::")]
-    return [name for _, name in sorted(timed, reverse=True)[:limit]]
+        timed = [(e.key, e.self_cpu_time_total) for e in events if e.key.startswith("aten::")]
+    return sorted(timed, key=lambda item: item[1], reverse=True)
+
+
+def executed_kernels(fn: Callable[[], object], device: torch.device, limit: int = 3) -> list[str]:
+    """Names of what fn() executed: CUDA kernels on the GPU, the heaviest aten ops on the CPU."""
+    return [name for name, _ in timed_kernels(fn, device)[:limit]]

@@ -493,9 +493,14 @@ def _capturing(device: torch.device) -> bool:
 
 
 def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
-                    softcap, alibi_slopes, num_splits, return_softmax_lse) -> KVCacheCall:
-    """Validate `flash_attn_with_kvcache` arguments. Every rule is checked before anything is written,
-    including the capacity and block-table rules (evaluated on the device; one synchronisation)."""
+                    softcap, alibi_slopes, num_splits, return_softmax_lse, check_values=None) -> KVCacheCall:
+    """Validate `flash_attn_with_kvcache` arguments before anything is written.
+
+    The capacity and block-table rules need the values of cache_seqlens and block_table. They are
+    checked when that is free (an int cache_seqlens; tensors on the CPU) or when check_values is True
+    (tensors on a GPU: a few device ops and one synchronisation). check_values=False skips them for
+    tensors; an int cache_seqlens is always checked. None of them run while a CUDA graph is captured
+    or torch.compile traces."""
     _require_tensor("q", q)
     if q.dim() != 4:
         raise ValueError(f"q must have rank 4 (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
@@ -576,7 +581,11 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
             raise ValueError(f"cache_seqlens is {host_length}; with {seqlen_new} new tokens it must stay within "
                              f"0 .. {capacity} (the cache capacity); nothing was written")
         cache_seqlens = torch.full((batch,), host_length, dtype=torch.int32, device=q.device)
-    if not _capturing(q.device) and (host_length is None or block_table is not None):
+    if check_values is not None and not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be None, True or False, got {check_values!r}")
+    on_host = q.device.type == "cpu"  # reading the values costs no synchronisation
+    wanted = check_values if check_values is not None else on_host
+    if wanted and not _capturing(q.device) and (host_length is None or block_table is not None):
         _check_cache_values(cache_seqlens, block_table, seqlen_new, capacity, num_blocks, page_size,
                             lengths_checked=host_length is not None)
 

@@ -114,7 +114,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                            num_splits=0, return_softmax_lse=False):
+                            num_splits=0, return_softmax_lse=False, *, check_values=None):
     """Decoding and chunked prefill against a KV cache, with flash-attn's signature (forward only).
 
     Args:
@@ -139,6 +139,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             backend 1 (splitting adds work and no parallelism there). Results agree across split counts up
             to rounding.
         return_softmax_lse: also return lse (batch, nheads, seqlen_q) float32.
+        check_values: whether the capacity and block-table rules, which need the values of cache_seqlens
+            and block_table, are checked (see Raises). None (default): where that is free, i.e. for an
+            int cache_seqlens and for tensors on the CPU. True: also for tensors on a GPU, at the cost
+            of a few device ops and one synchronisation per call. False: only for an int cache_seqlens.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, carrying no gradient; with
@@ -147,16 +151,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     Raises:
         TypeError / ValueError naming the argument and the rule, including a write past a cache's capacity
         and a block_table entry that is not a block of the cache; every check runs before anything is
-        written, so a call that raises leaves the cache unchanged. (The capacity and block-table checks run
-        on the tensors' device and bring two booleans back: one synchronisation per call, none when
-        cache_seqlens is an int and the cache is contiguous. While a CUDA
-        graph is being captured, or torch.compile traces, they cannot run and are skipped: the caller
-        then guarantees them, as flash-attn always requires.)
+        written, so a call that raises leaves the cache unchanged. The last two need the values of
+        cache_seqlens and block_table and run as check_values says. On a GPU they are by default the
+        caller's guarantee (as in flash-attn), because reading the values back would stall every decode
+        step; while a CUDA graph is captured or torch.compile traces they cannot run at all. When they
+        are not checked and are broken, the result is undefined but memory stays safe: the kernel reads
+        at most `capacity` keys and only blocks of the cache, and an append outside the cache stops at
+        torch's device-side index check.
         BackendUnavailableError when the requested backend cannot serve the call.
     """
     call = prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                           num_splits=num_splits, return_softmax_lse=return_softmax_lse)
+                           num_splits=num_splits, return_softmax_lse=return_softmax_lse, check_values=check_values)
     name, tiles = _dispatch.resolve(call.problem)  # raises before the cache is touched; cached per problem
     backend = _dispatch.BACKENDS[name]
     kvcache.append_to_cache(call)

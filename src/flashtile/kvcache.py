@@ -37,8 +37,9 @@ def _paged_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -
 def append_to_cache(call: KVCacheCall) -> None:
     """Write k_new / v_new into the caches in place at positions cache_seqlens[b] .. + seqlen_new - 1.
 
-    Device-side indexing only (nothing is read back to the host). prepare_kvcache has already checked
-    capacity and block indices, so this cannot fail halfway.
+    Device-side indexing only (nothing is read back to the host). Where prepare_kvcache checked the
+    capacity and block indices this cannot fail halfway; where it did not (check_values), an index outside
+    the cache stops at torch's own bounds check instead of writing outside it.
     """
     if call.k_new is None or call.k_new.shape[1] == 0:
         return

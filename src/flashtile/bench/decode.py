@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import flashtile
 from flashtile import _dispatch
-from flashtile._measure import executed_kernels
+from flashtile._measure import timed_kernels
 from flashtile.bench.runner import (DTYPES, Timing, _time_ms, call_limit_reason, int_list, measure_copy_gbps,
                                     seconds_limit)
 from flashtile.reference import flash_attn_reference
@@ -70,6 +70,7 @@ class DecodeRow:
     ms: float | None = None
     gbps: float | None = None
     copy_fraction: float | None = None
+    kernel_ms: float | None = None  # device time of the kernels one call ran (profiler); ms - kernel_ms is host
     rel_error: float | None = None
     kernels: list[str] = field(default_factory=list)
 
@@ -150,36 +151,42 @@ def _step(provider: str, cell: _Cell, page: int) -> Callable[[], torch.Tensor]:
     if provider == "sdpa":
         q, k, v = (t.transpose(1, 2) for t in (cell.q, cell.k, cell.v))
         return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
-    backend = provider[len("flashtile["):-1]
     k_cache, v_cache, table = (cell.k, cell.v, None) if page == 0 else _paged(cell.k, cell.v, page)
     lengths = torch.full((batch,), length, dtype=torch.int32, device=cell.q.device)
 
     def call():
-        with flashtile.use_backend(backend):
-            return flashtile.flash_attn_with_kvcache(cell.q, k_cache, v_cache, cache_seqlens=lengths,
-                                                     block_table=table)
+        return flashtile.flash_attn_with_kvcache(cell.q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
     return call
+
+
+def _measure_step(row: DecodeRow, step: Callable[[], torch.Tensor], cell: _Cell, config: DecodeConfig) -> None:
+    out = step()  # also compiles
+    row.rel_error = ((out[0].double() - cell.reference).norm() / cell.reference.norm()).item()
+    too_slow = call_limit_reason(step, config.device, config.max_call_seconds)
+    if too_slow is not None:
+        row.status, row.reason = "skipped", too_slow
+        return
+    row.ms = _time_ms(step, config.device, config.timing, warm=True)
+    kernels = timed_kernels(step, config.device)
+    row.kernels = list(dict.fromkeys(name for name, _ in kernels))[:3]
+    row.kernel_ms = sum(us for _, us in kernels) / 1e3
 
 
 def _measure(row: DecodeRow, provider: str, cell: _Cell, config: DecodeConfig, copy_gbps: float) -> None:
     if provider == "sdpa" and row.page_size:
         row.status, row.reason = "skipped", "torch SDPA reads only a contiguous cache (see its page-0 row)"
         return
+    backend = provider[len("flashtile["):-1] if provider.startswith("flashtile[") else "auto"
     try:
-        step = _step(provider, cell, row.page_size)
-        out = step()  # also compiles
-        row.rel_error = ((out[0].double() - cell.reference).norm() / cell.reference.norm()).item()
-        too_slow = call_limit_reason(step, config.device, config.max_call_seconds)
-        if too_slow is not None:
-            row.status, row.reason = "skipped", too_slow
-            return
-        row.ms = _time_ms(step, config.device, config.timing, warm=True)
-        row.kernels = list(dict.fromkeys(executed_kernels(step, config.device, limit=6)))[:3]
+        with flashtile.use_backend(backend):  # entered once, outside the timed calls
+            _measure_step(row, _step(provider, cell, row.page_size), cell, config)
     except _dispatch.BackendUnavailableError as error:
         row.status, row.reason = "skipped", str(error)
         return
     except Exception as error:  # noqa: BLE001 - the grid goes on; the row says what went wrong
         row.status, row.reason = "failed", f"{type(error).__name__}: {error}"
+        return
+    if row.status != "ok":
         return
     kv_bytes = row.batch * row.cache_len * row.nheads_k * 2 * row.headdim * config.dtype.itemsize
     row.gbps = kv_bytes / (row.ms * 1e-3) / 1e9
@@ -226,6 +233,11 @@ def run_decode_benchmark(config: DecodeConfig, progress: Callable[[str], None] =
     return DecodeResult(header, rows)
 
 
+def _short(kernel: str) -> str:
+    """A kernel name without its template arguments and parameter list (the JSON keeps it whole)."""
+    return kernel.split("<", 1)[0].split("(", 1)[0]
+
+
 def format_decode_table(result: DecodeResult) -> str:
     """The rows as a table, with each flashtile row's bandwidth as a multiple of SDPA's in its cell."""
     peers = {(r.batch, r.cache_len): r.gbps for r in result.rows if r.provider == "sdpa" and r.gbps}
@@ -233,7 +245,7 @@ def format_decode_table(result: DecodeResult) -> str:
     lines = [f"flashtile {h['flashtile']} decode bench on {h['device_name']}; torch {h['torch']}; {h['date']}",
              f"device copy {h['copy_gbps']:.0f} GB/s (read + written); {h['dtype']}; {h['timing']}",
              "", f"{'provider':18s} {'batch':>5s} {'cache':>7s} {'page':>5s} {'ms':>9s} {'GB/s':>7s} "
-             f"{'%copy':>6s} {'x sdpa':>6s} {'rel err':>8s}  ran",
+             f"{'%copy':>6s} {'x sdpa':>6s} {'kern ms':>8s} {'rel err':>8s}  ran",
              "-" * 100]
     for r in result.rows:
         page = "contig" if r.page_size == 0 else str(r.page_size)
@@ -243,5 +255,6 @@ def format_decode_table(result: DecodeResult) -> str:
         peer = peers.get((r.batch, r.cache_len))
         ratio = f"{r.gbps / peer:.2f}" if peer and r.provider != "sdpa" else "-"
         lines.append(f"{r.provider:18s} {r.batch:5d} {r.cache_len:7d} {page:>5s} {r.ms:9.4f} {r.gbps:7.1f} "
-                     f"{100 * r.copy_fraction:5.1f}% {ratio:>6s} {r.rel_error:8.1e}  {', '.join(r.kernels)}")
+                     f"{100 * r.copy_fraction:5.1f}% {ratio:>6s} {r.kernel_ms:8.4f} {r.rel_error:8.1e}  "
+                     f"{', '.join(_short(k) for k in r.kernels)}")
     return "\n".join(lines)

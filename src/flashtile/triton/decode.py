@@ -30,8 +30,8 @@ def attention_decode_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_table_b, stride_slopes_b,
     stride_ob, stride_om, stride_oh,
-    nheads, nheads_k, group_size, seqlen_q, seqlen_new, page_size, blocks_per_split, rows_padded,
-    score_scale, softcap_scale, softcap_out, window_left, window_right,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_new, capacity, page_size, num_blocks, blocks_per_split,
+    rows_padded, score_scale, softcap_scale, softcap_out, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -42,7 +42,9 @@ def attention_decode_kernel(
     num_splits = tl.num_programs(0)
     b = (pid_bhk // nheads_k).to(tl.int64)
     hk = (pid_bhk % nheads_k).to(tl.int64)
-    length = tl.load(CacheSeqlens + b) + seqlen_new  # this sequence's keys, new tokens included
+    # this sequence's keys, new tokens included; clamped to the capacity so that lengths the host did not
+    # check (device tensors, see prepare_kvcache) can never make the program read outside the cache
+    length = tl.minimum(tl.load(CacheSeqlens + b) + seqlen_new, capacity)
     diagonal_offset = length - seqlen_q
 
     # rows: (query head g of the group, query token i) -> row g * seqlen_q + i; BLOCK_M rows per program
@@ -72,8 +74,12 @@ def attention_decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < length
-        if PAGED:  # BLOCK_N divides page_size: the whole key block lies in one page
-            block = tl.load(BlockTable + b * stride_table_b + n0 // page_size).to(tl.int64)
+        if PAGED:
+            # each key looks up its own page, so a block may span pages smaller than BLOCK_N (rows stay
+            # contiguous along the head dim, which is what coalescing needs); block indices the host did not
+            # check are clamped into the cache, never followed outside it
+            block = tl.load(BlockTable + b * stride_table_b + offs_n // page_size, mask=key_ok, other=0)
+            block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
             k_rows = block * stride_kb + (offs_n % page_size).to(tl.int64) * stride_kn
             v_rows = block * stride_vb + (offs_n % page_size).to(tl.int64) * stride_vn
         else:

@@ -8,6 +8,7 @@ dtype; lse (batch, nheads, seqlen_q) is contiguous float32, natural log.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -194,26 +195,37 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     return dq, dk, dv
 
 
-def choose_num_splits(programs: int, key_blocks: int, sm_count: int) -> int:
-    """Flash-Decoding's split count: enough programs for about two waves of the GPU, each split keeping
-    at least 4 key blocks (so the merge stays cheap next to the reads), at most 64 splits."""
+def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4) -> int:
+    """Flash-Decoding's split count: enough programs for about `waves` waves of the GPU, each split
+    keeping at least 4 key blocks (so the merge stays cheap next to the reads), at most 64 splits."""
     if programs >= sm_count:
         return 1
-    wanted = triton.cdiv(2 * sm_count, max(1, programs))
+    wanted = triton.cdiv(waves * sm_count, max(1, programs))
     return max(1, min(wanted, key_blocks // 4, 64))
 
 
-def _decode_block_n(page_size: int | None) -> int:
-    """Keys per block: 64, or for a paged cache the largest power of two <= 64 dividing the page size
-    (a block must not straddle two pages)."""
-    if page_size is None:
-        return 64
-    block = 64
-    while page_size % block:
-        block //= 2
-    return block
+@dataclass(frozen=True)
+class DecodeTile:
+    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, and the
+    waves of programs the split count aims for."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    waves: int
 
 
+# From benchmarks/tune_decode.py on the H200 (bf16, d 128, 32 query heads on 8 K/V heads; raw output in
+# benchmarks/results/raw/2026-11-29-h200-tune-decode.txt). A contiguous cache: 64-key blocks, 2 stages
+# (3 stages won at batch 1 but lost 6-15% at batch 8 and 64), four waves (3% faster than two at 8 x 128k).
+# A paged cache, whose every key looks up its page: 128-key blocks (fewer lookups per byte) and about
+# eight waves (20 splits beat 5 by 11% at 8 x 128k). Block size does not depend on the page size: pages
+# of 16 keys are read through the same per-key lookup as pages of 256.
+DECODE_TILE_CONTIGUOUS = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
+DECODE_TILE_PAGED = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=8)
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a pretend GPU small enough that tests exercise the split path
@@ -223,40 +235,46 @@ def _sm_count(device: torch.device) -> int:
 @dataclass(frozen=True)
 class DecodeGeometry:
     """How attention_decode_kernel covers a KV-cache call: rows per program (a GQA group's query heads x
-    query tokens), keys per block, and the split of each sequence's key blocks."""
+    query tokens), keys per block, the split of each sequence's key blocks, warps and pipeline stages."""
 
     block_m: int
     row_blocks: int
     block_n: int
     splits: int
     blocks_per_split: int
+    num_warps: int = 4
+    num_stages: int = 2
 
     def describe(self) -> str:
         merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
         return (f"attention_decode_kernel{merge}: {self.row_blocks} x {self.block_m} rows per (batch, K/V head) "
                 f"(query heads of a group x query tokens), {self.block_n}-key blocks, {self.splits} split(s) of "
-                f"up to {self.blocks_per_split} blocks")
+                f"up to {self.blocks_per_split} blocks, {self.num_warps} warps, {self.num_stages} stages")
 
 
-def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits: int) -> DecodeGeometry:
-    """The launch shape for a KV-cache problem (problem.seqlen_k is the cache capacity)."""
+@functools.lru_cache(maxsize=256)
+def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits: int,
+                    tile: DecodeTile | None = None) -> DecodeGeometry:
+    """The launch shape for a KV-cache problem (problem.seqlen_k is the cache capacity); tile overrides
+    the layout's default. Cached: a decode loop asks for the same geometry at every step."""
+    tile = tile or (DECODE_TILE_CONTIGUOUS if page_size is None else DECODE_TILE_PAGED)
     rows = problem.group_size * problem.seqlen_q
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     row_blocks = triton.cdiv(rows, block_m)
-    block_n = _decode_block_n(page_size)
-    key_blocks = max(1, triton.cdiv(problem.seqlen_k, block_n))
+    key_blocks = max(1, triton.cdiv(problem.seqlen_k, tile.block_n))
     splits = num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
-                                             _sm_count(problem.device))
+                                             _sm_count(problem.device), tile.waves)
     blocks_per_split = triton.cdiv(key_blocks, max(1, min(splits, key_blocks)))
-    return DecodeGeometry(block_m, row_blocks, block_n, triton.cdiv(key_blocks, blocks_per_split), blocks_per_split)
+    return DecodeGeometry(block_m, row_blocks, tile.block_n, triton.cdiv(key_blocks, blocks_per_split),
+                          blocks_per_split, tile.num_warps, tile.num_stages)
 
 
-def decode(call, num_splits: int):
+def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     """Attention over a KV cache (kvcache.KVCacheCall, new tokens already appended): returns out
     (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32.
 
     num_splits 0 lets choose_num_splits decide; the count is capped by the number of key blocks.
-    Nothing is read back from the GPU.
+    geometry overrides decode_geometry's choice (for tuning scripts). Nothing is read back from the GPU.
     """
     p = call.problem
     q = call.q
@@ -267,7 +285,7 @@ def decode(call, num_splits: int):
         return out, lse
     slopes, slopes_stride, _, _, scalars, flags = _score_args(q, call.alibi_slopes, None, p)
     del flags["MASK_KIND"]  # a KV cache takes no attn_mask
-    shape = decode_geometry(p, call.page_size, num_splits)
+    shape = geometry or decode_geometry(p, call.page_size, num_splits)
     block_m, row_blocks, block_n, splits = shape.block_m, shape.row_blocks, shape.block_n, shape.splits
     blocks_per_split, rows = shape.blocks_per_split, p.group_size * seqlen_q
     rows_padded = row_blocks * block_m
@@ -289,9 +307,10 @@ def decode(call, num_splits: int):
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0), slopes_stride,
         out.stride(0), out.stride(1), out.stride(2),
-        p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.page_size or 1, blocks_per_split, rows_padded,
-        score_scale, softcap_scale, softcap_out, window_left, window_right,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1, num_warps=4, num_stages=2, **flags)
+        p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity, call.page_size or 1,
+        k_cache.shape[0], blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out, window_left,
+        window_right, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1, num_warps=shape.num_warps,
+        num_stages=shape.num_stages, **flags)
     if splits > 1:
         attention_decode_combine_kernel[(batch * p.nheads_k, rows)](
             part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
