@@ -34,11 +34,14 @@ case $stage in
       --json "$out/$date-h200-full-grid-d$d.json" > "$out/grid-d$d.txt" 2> "$out/grid-d$d.progress"
     tail -3 "$out/grid-d$d.progress" ;;
   decode)
-    timeout 170 python -m flashtile bench --mode decode --device cuda \
+    # the torch backend's decode (float32 math, a Python loop over sequences) is left out: seconds per row
+    timeout 170 python -m flashtile bench --mode decode --device cuda --providers "flashtile[triton],sdpa" \
       --json "$out/$date-h200-decode.json" > "$out/decode.txt" 2> "$out/decode.progress"
     tail -30 "$out/decode.txt"
     timeout 75 python benchmarks/varlen_vs_dense.py > "$out/varlen.txt" 2>&1
-    cat "$out/varlen.txt" ;;
+    cat "$out/varlen.txt"
+    timeout 80 python benchmarks/tune_decode.py --graphs > "$out/decode-graphs.txt" 2>&1
+    timeout 60 python benchmarks/host_overhead.py > "$out/host-overhead.txt" 2>&1 ;;
   schedules)
     timeout 400 python -m flashtile bench --device cuda --mode fwd \
       --providers "flashtile[triton],flashtile[triton:tma],flashtile[triton:tma-ws],sdpa-cudnn,flex" \

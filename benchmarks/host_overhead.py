@@ -1,0 +1,84 @@
+"""How much host (Python) time a flashtile call costs next to its GPU time, and where it goes.
+
+Short calls are limited by the host when issuing the work takes longer than running it. For the grid's
+1k-token shapes (batch 16, d 128 x 16 heads and d 64 x 32 heads, bf16) and for a KV-cache decode step
+(batch 1, 4k cache, 32 query heads on 8 K/V heads, d 128) this prints:
+  median     triton.testing.do_bench median of one call (ms)
+  host       ms of Python per call: 50 calls issued back to back, timed before waiting for the GPU
+  kernels    ms of GPU kernels per call (torch.profiler)
+then a cProfile of 50 calls (internal time), to show which Python functions the host time goes to.
+
+    python benchmarks/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+import triton
+import triton.testing
+from torch.profiler import ProfilerActivity, profile
+
+import flashtile
+
+
+def kernel_ms(fn, calls: int = 5) -> float:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    device = torch.autograd.DeviceType.CUDA
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if getattr(e, "device_type", None) == device) / calls / 1e3
+
+
+def host_ms(fn, calls: int = 50) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds / calls * 1e3
+
+
+def report(name: str, fn) -> None:
+    fn()
+    torch.cuda.synchronize()
+    median = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    print(f"{name}: median {median:.3f} ms, host {host_ms(fn):.3f} ms/call, kernels {kernel_ms(fn):.3f} ms/call",
+          flush=True)
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [fn() for _ in range(50)])
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+    body = text.getvalue()
+    print(body[body.index("ncalls"):] if "ncalls" in body else body, flush=True)
+
+
+def main() -> None:
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
+    with flashtile.use_backend("triton"):
+        for d, h in ((128, 16), (64, 32)):
+            q, k, v = (torch.randn(16, 1024, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            grad = torch.randn(16, 1024, h, d, device=device, dtype=dtype)
+
+            def step():
+                return torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), grad)
+
+            report(f"d {d}, {h} heads, 1k causal fwd+bwd", step)
+        q = torch.randn(1, 1, 32, 128, device=device, dtype=dtype)
+        k_cache, v_cache = (torch.randn(1, 4096, 8, 128, device=device, dtype=dtype) for _ in range(2))
+        lengths = torch.full((1,), 4096, dtype=torch.int32, device=device)
+        report("decode, batch 1, 4k cache", lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                                                       cache_seqlens=lengths))
+
+
+if __name__ == "__main__":
+    main()
