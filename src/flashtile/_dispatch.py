@@ -251,13 +251,16 @@ def plan(problem: AttentionProblem) -> Plan:
     return Plan(backend=backend, tiles=tiles, reason=reason)
 
 
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionProblem))
+
+
 def resolve(problem: AttentionProblem) -> tuple[str, tuple[int, ...]]:
     """plan() reduced to constants (backend name, tiles): what the custom op needs.
 
     torch.compile evaluates the choice once while tracing and bakes it into the graph: the backend
     context and FLASHTILE_BACKEND are read when a function is compiled, not at each call.
     """
-    return _resolve_constant(tuple(getattr(problem, f.name) for f in dataclasses.fields(problem)))
+    return _resolve_constant(tuple(getattr(problem, name) for name in _PROBLEM_FIELDS))
 
 
 @torch.compiler.assume_constant_result

@@ -24,8 +24,18 @@ from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
 
 
+# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions in recent
+# Triton, ~2 us a call from Python (50x these), and a decode or fwd+bwd step calls them a dozen times.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _block_width(dim: int) -> int:
-    return max(16, triton.next_power_of_2(dim))
+    return max(16, _next_power_of_2(dim))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -112,7 +122,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     if out.numel() == 0 and lse.numel() == 0 or p.batch == 0:
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
-    grid = (max(1, triton.cdiv(p.seqlen_q, tiles.block_m)), p.batch * p.nheads)
+    grid = (max(1, _cdiv(p.seqlen_q, tiles.block_m)), p.batch * p.nheads)
     if tiles.forward_schedule > 0 and not varlen and _tma_ready((q, k, v, out), attn_mask):
         if not interpreting():
             triton.set_allocator(_tma_scratch)
@@ -163,13 +173,13 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     delta = torch.empty_like(lse)
     # rows are independent here: a packed batch is one long sequence to the preprocess kernel
     rows, batch = out.shape[1], out.shape[0]
-    attention_bwd_preprocess_kernel[(triton.cdiv(rows, 64), batch * p.nheads)](
+    attention_bwd_preprocess_kernel[(_cdiv(rows, 64), batch * p.nheads)](
         out, grad_out, grad_lse, delta,
         out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         p.nheads, rows, HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
     lse_strides = (lse.stride(0) * batch_q, lse.stride(1))
     if k.shape[1] > 0:
-        attention_bwd_dkdv_kernel[(max(1, triton.cdiv(p.seqlen_k, tiles.bwd_block_n)), p.batch * p.nheads_k)](
+        attention_bwd_dkdv_kernel[(max(1, _cdiv(p.seqlen_k, tiles.bwd_block_n)), p.batch * p.nheads_k)](
             q, k, v, grad_out, lse, delta, dk, dv, slopes, mask, cu_q, cu_k,
             q.stride(0) * batch_q, q.stride(1), q.stride(2),
             k.stride(0) * batch_k, k.stride(1), k.stride(2),
@@ -182,7 +192,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, num_warps=tiles.bwd_num_warps,
             num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
     # the dQ kernel uses the transposed tile: bwd_block_n query rows against bwd_block_m keys
-    attention_bwd_dq_kernel[(max(1, triton.cdiv(p.seqlen_q, tiles.bwd_block_n)), p.batch * p.nheads)](
+    attention_bwd_dq_kernel[(max(1, _cdiv(p.seqlen_q, tiles.bwd_block_n)), p.batch * p.nheads)](
         q, k, v, grad_out, lse, delta, dq, slopes, mask, cu_q, cu_k,
         q.stride(0) * batch_q, q.stride(1), q.stride(2),
         k.stride(0) * batch_k, k.stride(1), k.stride(2),
@@ -200,7 +210,7 @@ def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int 
     keeping at least 4 key blocks (so the merge stays cheap next to the reads), at most 64 splits."""
     if programs >= sm_count:
         return 1
-    wanted = triton.cdiv(waves * sm_count, max(1, programs))
+    wanted = _cdiv(waves * sm_count, max(1, programs))
     return max(1, min(wanted, key_blocks // 4, 64))
 
 
@@ -216,11 +226,12 @@ class DecodeTile:
 
 
 # From benchmarks/tune_decode.py on the H200 (bf16, d 128, 32 query heads on 8 K/V heads; raw output in
-# benchmarks/results/raw/2026-11-29-h200-tune-decode.txt). A contiguous cache: 64-key blocks, 2 stages
-# (3 stages won at batch 1 but lost 6-15% at batch 8 and 64), four waves (3% faster than two at 8 x 128k).
-# A paged cache, whose every key looks up its page: 128-key blocks (fewer lookups per byte) and about
-# eight waves (20 splits beat 5 by 11% at 8 x 128k). Block size does not depend on the page size: pages
-# of 16 keys are read through the same per-key lookup as pages of 256.
+# benchmarks/results/raw/2026-11-29-h200-tune-decode.txt, BENCHMARKS.md). A contiguous cache: 64-key
+# blocks, 2 stages (3 stages won at batch 1 but lost 5-18% at batch 8 and 64), about four waves (10
+# splits 3% faster than 5 at 8 x 128k). A paged cache, whose every key looks up its page: 128-key blocks
+# (fewer lookups per byte) and about eight waves (at 8 x 128k, 20 splits of 128-key blocks took 1,065 us,
+# 10 splits 1,194 us). Block size does not depend on the page size: pages of 16 keys are read through
+# the same per-key lookup as pages of 256.
 DECODE_TILE_CONTIGUOUS = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
 DECODE_TILE_PAGED = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=8)
 
@@ -259,13 +270,13 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
     the layout's default. Cached: a decode loop asks for the same geometry at every step."""
     tile = tile or (DECODE_TILE_CONTIGUOUS if page_size is None else DECODE_TILE_PAGED)
     rows = problem.group_size * problem.seqlen_q
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    row_blocks = triton.cdiv(rows, block_m)
-    key_blocks = max(1, triton.cdiv(problem.seqlen_k, tile.block_n))
+    block_m = min(64, max(16, _next_power_of_2(rows)))
+    row_blocks = _cdiv(rows, block_m)
+    key_blocks = max(1, _cdiv(problem.seqlen_k, tile.block_n))
     splits = num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
                                              _sm_count(problem.device), tile.waves)
-    blocks_per_split = triton.cdiv(key_blocks, max(1, min(splits, key_blocks)))
-    return DecodeGeometry(block_m, row_blocks, tile.block_n, triton.cdiv(key_blocks, blocks_per_split),
+    blocks_per_split = _cdiv(key_blocks, max(1, min(splits, key_blocks)))
+    return DecodeGeometry(block_m, row_blocks, tile.block_n, _cdiv(key_blocks, blocks_per_split),
                           blocks_per_split, tile.num_warps, tile.num_stages)
 
 
@@ -315,5 +326,5 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
         attention_decode_combine_kernel[(batch * p.nheads_k, rows)](
             part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
             p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded,
-            HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=triton.next_power_of_2(splits))
+            HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(splits))
     return out, lse
