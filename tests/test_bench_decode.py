@@ -29,7 +29,7 @@ def test_rows_cover_the_grid_and_say_why_when_skipped(decode_run):
         (p, page) for p in decode.PROVIDERS for page in (0, 16)}
     for row in rows:
         if row["status"] == "ok":
-            assert row["gbps"] > 0 and row["ms"] > 0 and row["kernels"], row
+            assert row["gbps"] > 0 and row["ms"] > 0 and row["kernels"] and row["kernel_ms"] > 0, row
             assert row["rel_error"] < 1e-5, row
         else:
             assert row["status"] == "skipped" and row["reason"], row
