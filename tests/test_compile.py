@@ -67,3 +67,32 @@ def test_compile_with_aot_autograd_uses_the_fake_implementations(backend):
         out = compiled(x)
         out.sum().backward()
     assert out.shape == (1, 21, 64) and x.grad is not None and x.grad.isfinite().all()
+
+
+def _validated_calls():
+    from flashtile._validate import prepare_flash_attn, prepare_flash_attn_varlen, prepare_sdpa
+
+    q, k, v = (torch.randn(2, n, h, d, device=DEVICE) for n, h, d in ((9, 4, 16), (13, 2, 16), (13, 2, 8)))
+    flash = dict(dropout_p=0.0, softmax_scale=None, deterministic=False, return_attn_probs=False, return_lse=False)
+    yield prepare_flash_attn(q, k, v, causal=True, window_size=(3, -1), softcap=2.0,
+                             alibi_slopes=torch.rand(2, 4, device=DEVICE), **flash)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([0, 4, 9], [0, 6, 13]))
+    yield prepare_flash_attn_varlen(q[0], k[0], v[0], cu_q, cu_k, 5, 7, causal=True, window_size=(-1, -1),
+                                    softcap=0.0, alibi_slopes=torch.rand(2, 4, device=DEVICE), **flash)
+    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+    for mask in (torch.rand(9, 13, device=DEVICE) > 0.3, torch.randn(9, 13, device=DEVICE), None):
+        yield prepare_sdpa(qs, ks, vs, attn_mask=mask, dropout_p=0.0, is_causal=mask is None, scale=None,
+                           enable_gqa=True)[0]
+
+
+def test_custom_op_rebuilds_the_problem_the_eager_path_runs():
+    """Eager calls hand the validated AttentionProblem to the backend; the custom op (torch.compile's path)
+    rebuilds it from scalars. They must be the same problem, or compiled and eager results could differ."""
+    from flashtile import autograd
+
+    for call in _validated_calls():
+        p = call.problem
+        rebuilt = autograd._problem(call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, call.cu_seqlens_q,
+                                    p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right,
+                                    p.diagonal_offset, p.softcap, p.alignment)
+        assert rebuilt == p, (rebuilt, p)

@@ -1,8 +1,9 @@
 """The attention operator that every entry point and every backend goes through.
 
-One implementation (`_forward_impl`, `_backward_impl`) reached two ways:
-- eagerly, through `_EagerAttention`, a plain `torch.autograd.Function` (a custom op's dispatch costs
-  ~100 us per call on the host, 8x an autograd.Function's, which short sequences on a GPU feel);
+One implementation (`_run_forward`, `_run_backward`: the chosen backend's passes) reached two ways:
+- eagerly, through `_EagerAttention`, a plain `torch.autograd.Function` that carries the validated
+  problem and tiles as objects (a custom op's dispatch costs ~100 us per call on the host, 8x an
+  autograd.Function's, which short sequences on a GPU feel; so does rebuilding the problem);
 - under `torch.compile`, through the `torch.library.custom_op`s `flashtile::attention_forward` and
   `flashtile::attention_backward` with fake (meta) implementations and `register_autograd`, so the
   call is opaque to the compiler: a model using flashtile compiles with `fullgraph=True`, the kernels
@@ -13,7 +14,7 @@ tensor); the backward hands them to the same backend's recompute-based backward 
 an output with a gradient of its own (d lse / d s = P), so losses that use it (e.g. when merging
 attention over several key shards) differentiate correctly.
 
-The operator takes the problem as plain scalars (custom ops accept tensors, numbers and strings),
+The custom ops take the problem as plain scalars (custom ops accept tensors, numbers and strings),
 the backend by name and its tiles as a list of ints; `_problem` rebuilds the AttentionProblem.
 """
 
@@ -49,23 +50,22 @@ def _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_s
         varlen=cu_seqlens_q is not None)
 
 
-def _forward_impl(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
-    problem = _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
-                       window_left, window_right, diagonal_offset, softcap, alignment)
-    chosen = BACKENDS[backend]
-    return chosen.forward(q, k, v, alibi_slopes, attn_mask, problem, chosen.tiles_from_list(tiles),
-                          cu_seqlens_q, cu_seqlens_k)
+def _run_forward(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, problem, backend, tiles):
+    return BACKENDS[backend].forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k)
 
 
-def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, diagonal_offset, softcap,
-                   alignment, backend, tiles):
+def _run_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
+                  problem, backend, tiles):
+    return BACKENDS[backend].backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
+                                      tiles, cu_seqlens_q, cu_seqlens_k)
+
+
+def _from_scalars(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                  window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
+    """(problem, backend, tiles object) from the custom ops' plain arguments."""
     problem = _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
                        window_left, window_right, diagonal_offset, softcap, alignment)
-    chosen = BACKENDS[backend]
-    return chosen.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
-                           chosen.tiles_from_list(tiles), cu_seqlens_q, cu_seqlens_k)
+    return problem, backend, BACKENDS[backend].tiles_from_list(tiles)
 
 
 @torch.library.custom_op("flashtile::attention_forward", mutates_args=())
@@ -76,8 +76,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_s
                       alignment: str, backend: str, tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """out (batch, seqlen_q, nheads, headdim_v) in q's dtype; lse (batch, nheads, seqlen_q) in the accumulation
     dtype. Packed sequences (cu_seqlens given): q (1, total_q, ...), out (1, total_q, ...), lse (1, nheads, total_q)."""
-    return _forward_impl(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles)
+    plan = _from_scalars(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                         window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles)
+    return _run_forward(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, *plan)
 
 
 @attention_forward.register_fake
@@ -97,9 +98,10 @@ def attention_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                        softcap: float, alignment: str, backend: str,
                        tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv: contiguous, shaped like q, k, v, in their dtype. grad_lse None means zero."""
-    return _backward_impl(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, diagonal_offset,
-                          softcap, alignment, backend, tiles)
+    plan = _from_scalars(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                         window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles)
+    return _run_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
+                         *plan)
 
 
 @attention_backward.register_fake
@@ -115,35 +117,43 @@ def _save(ctx, inputs, output) -> None:
     ctx.scalars = inputs[3 + len(_NO_GRAD_TENSORS):]
 
 
-def _gradients(ctx, grad_out, grad_lse, backward):
-    """The autograd formula shared by both paths; `backward` is _backward_impl or the custom op."""
-    q, k, v, out, lse, *no_grad_tensors = ctx.saved_tensors
+def _usable_grad_out(grad_out, out):
     if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    # grad_lse stays None when the caller never used lse: the backends skip that term
+        return torch.zeros_like(out)
     # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
-    grad_out = unit_last_stride(grad_out)
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *no_grad_tensors, *ctx.scalars)
+    return unit_last_stride(grad_out)
+
+
+def _gradients(ctx, grad_out, grad_lse):
+    """The custom op's autograd formula (the eager Function's is the same, with objects for scalars)."""
+    q, k, v, out, lse, *no_grad_tensors = ctx.saved_tensors
+    # grad_lse stays None when the caller never used lse: the backends skip that term
+    dq, dk, dv = attention_backward(_usable_grad_out(grad_out, out), grad_lse, q, k, v, out, lse, *no_grad_tensors,
+                                    *ctx.scalars)
     return (dq, dk, dv) + (None,) * (len(_NO_GRAD_TENSORS) + len(_SCALARS))
 
 
-attention_forward.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, grad_lse,
-                                                                              attention_backward),
-                                    setup_context=_save)
+attention_forward.register_autograd(_gradients, setup_context=_save)
 
 
 class _EagerAttention(torch.autograd.Function):
+    """Inputs: q, k, v, the _NO_GRAD_TENSORS, then (problem, backend name, the backend's tiles object)."""
+
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, q, k, v, *rest):
         ctx.set_materialize_grads(False)  # an unused lse must not cost a tensor of zeros
-        output = _forward_impl(*inputs)
-        _save(ctx, inputs, output)
-        return output
+        out, lse = _run_forward(q, k, v, *rest)
+        ctx.save_for_backward(q, k, v, out, lse, *rest[:len(_NO_GRAD_TENSORS)])
+        ctx.plan = rest[len(_NO_GRAD_TENSORS):]
+        return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        return _gradients(ctx, grad_out, grad_lse, _backward_impl)
+        q, k, v, out, lse, *no_grad_tensors = ctx.saved_tensors
+        dq, dk, dv = _run_backward(_usable_grad_out(grad_out, out), grad_lse, q, k, v, out, lse, *no_grad_tensors,
+                                   *ctx.plan)
+        return (dq, dk, dv) + (None,) * (len(_NO_GRAD_TENSORS) + len(ctx.plan))
 
 
 def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,11 +163,10 @@ def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple
     sequences out (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q).
     """
     p = call.problem
-    inputs = (call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, call.cu_seqlens_q, call.cu_seqlens_k,
-              p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.diagonal_offset, p.softcap,
-              p.alignment, backend, list(tiles))
+    tensors = (call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, call.cu_seqlens_q, call.cu_seqlens_k)
     if torch.compiler.is_compiling():
-        out, lse = attention_forward(*inputs)
+        out, lse = attention_forward(*tensors, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left,
+                                     p.window_right, p.diagonal_offset, p.softcap, p.alignment, backend, list(tiles))
     else:
-        out, lse = _EagerAttention.apply(*inputs)
+        out, lse = _EagerAttention.apply(*tensors, p, backend, BACKENDS[backend].tiles_from_list(list(tiles)))
     return out, lse.float()
