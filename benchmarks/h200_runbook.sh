@@ -7,9 +7,11 @@
 #   bash benchmarks/h200_runbook.sh decode    # bench --mode decode (issue 5 grid) + varlen vs dense
 #   bash benchmarks/h200_runbook.sh schedules # forward schedules forced, beside cuDNN and FlexAttention,
 #                                             # then where the warp-specialized schedule goes wrong
+#   bash benchmarks/h200_runbook.sh backward  # the one-launch backward (schedule 1): GPU tests, then timed
+#                                             # beside the two-launch default, cuDNN, FA2 and FlexAttention
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode or schedules}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules or backward}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -49,5 +51,13 @@ case $stage in
     tail -40 "$out/schedules.txt"
     timeout 150 python benchmarks/ws_determinism.py > "$out/ws_determinism.txt" 2>&1
     cat "$out/ws_determinism.txt" ;;
+  backward)
+    FLASHTILE_TEST_DEVICE=cuda timeout 150 python -m pytest -q -n 8 -p no:cacheprovider -rfE \
+      tests/test_triton_schedules.py tests/test_gpu.py -k "one_launch or deterministic" > "$out/backward-tests.txt" 2>&1
+    tail -3 "$out/backward-tests.txt"
+    timeout 400 python -m flashtile bench --device cuda --mode bwd,fwd+bwd --max-call-seconds 1 \
+      --providers "flashtile[triton],flashtile[triton:bwd1],sdpa-cudnn,sdpa-flash,flex" \
+      --json "$out/$date-h200-backward-schedules.json" > "$out/backward.txt" 2> "$out/backward.progress"
+    tail -40 "$out/backward.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

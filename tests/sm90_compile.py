@@ -13,10 +13,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtile.triton.bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+from flashtile.triton.bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
+                                  attention_bwd_preprocess_kernel)
 from flashtile.triton.decode import attention_decode_combine_kernel, attention_decode_kernel
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
+from flashtile.triton.launch import DECODE_TILE_CONTIGUOUS, DECODE_TILE_PAGED
 
 FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out"}
 
@@ -70,13 +72,17 @@ def main():
         results.append(compile_variant(f"bwd-dq {tag_varlen}", attention_bwd_dq_kernel,
                                        dict(flags, BLOCK_M=64, BLOCK_N=32, MASK_KIND=0 if varlen else 2,
                                             VARLEN=varlen), bwd_ptrs, 4, 3))
+        results.append(compile_variant(f"bwd-one-launch {tag_varlen}", attention_bwd_kernel,
+                                       dict(flags, BLOCK_M=32, BLOCK_N=64, MASK_KIND=0, VARLEN=varlen), bwd_ptrs, 4, 3))
         paged, split = dtype == "bf16", causal
+        decode_tile = DECODE_TILE_PAGED if paged else DECODE_TILE_CONTIGUOUS
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
         results.append(compile_variant(
             f"decode{' paged' if paged else ''}{' split' if split else ''} {tag}", attention_decode_kernel,
-            dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=64, PAGED=paged, SPLIT=split),
+            dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged, SPLIT=split),
             {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32", "Slopes": "*fp32",
-             "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}, 4, 2))
+             "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}, decode_tile.num_warps,
+            decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
                                    dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16),
                                    {"PartOut": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))

@@ -46,12 +46,13 @@ def test_triton_realistic_shapes(case, dtype, seed):
                                             seed)
 
 
+@pytest.mark.parametrize("backward_schedule", (0, 1), ids=("two-launch-bwd", "one-launch-bwd"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_triton_is_bitwise_deterministic_over_30_runs(causal, seed):
+def test_triton_is_bitwise_deterministic_over_30_runs(causal, backward_schedule, seed):
     q, k, v = random_qkv(2, 2048, 2048, 16, 4, 128, 128, torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(2, 2048, 16, 128, device=DEVICE, dtype=torch.bfloat16)
     first = None
-    with flashtile.use_backend("triton"):
+    with flashtile.use_backend("triton", backward_schedule=backward_schedule):
         for run in range(30):
             out = flashtile.flash_attn_func(q, k, v, causal=causal, deterministic=True)
             results = (out,) + torch.autograd.grad(out, (q, k, v), grad_out)

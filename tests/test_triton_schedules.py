@@ -1,4 +1,5 @@
-"""The Triton forward schedules (pointer loads, TMA descriptors, TMA + warp specialization) compute the same function."""
+"""The Triton schedules compute the same function: forward (pointer loads, TMA descriptors, TMA + warp
+specialization) and backward (two launches, or the dK/dV and dQ programs in one)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import flashtile
 from flashtile.reference import flash_attn_reference
 from flashtile.triton import launch
 
-from conftest import DEVICE, assert_close_to_oracle, random_qkv
+from conftest import (DEVICE, INTERPRETED, assert_attention_follows_the_eager_rule, assert_close_to_oracle,
+                      attention_grads, random_qkv)
 from test_flash_attn import SCENARIOS, SHAPES
+from test_varlen import LENGTHS, packed_inputs
 
 
 class _MustNotLaunch:
     """Stands in for a kernel that the chosen schedule must not use."""
 
     def __getitem__(self, grid):
-        raise AssertionError("the pointer-load forward kernel ran although a TMA schedule was requested")
+        raise AssertionError("a kernel ran that the requested schedule does not use")
 
 
 @pytest.mark.parametrize("schedule", (1, 2), ids=("tma", "tma-warp-specialized"))
@@ -68,3 +71,74 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
         assert default_tiles(other, (9, 0)).forward_schedule == 0, other
     assert default_tiles(base, (8, 0)).forward_schedule == 0
     assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))  # opt-in only
+
+
+def _with_backward_schedule(schedule, fn):
+    """fn() under backward schedule `schedule` with ragged 16 x 32 backward tiles; returns (out, lse, dq, dk, dv)
+    for fixed cotangents."""
+    with flashtile.use_backend("triton", backward_schedule=schedule, bwd_block_m=16, bwd_block_n=32):
+        out, lse, inputs = fn()
+        generator = torch.Generator().manual_seed(1)
+        grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
+        grad_lse = torch.randn(lse.shape, generator=generator, dtype=torch.float64).to(lse)
+        return (out, lse) + tuple(attention_grads(out, lse, inputs, grad_out, grad_lse))
+
+
+def _assert_one_launch_equals_two(monkeypatch, fn, atol_on_gpu):
+    """Schedule 1 against schedule 0 for fn(): bitwise in the interpreter (the same arithmetic per program),
+    within atol_on_gpu on a GPU (two compiled kernels may order their instructions differently); schedule 1
+    must not launch the two-kernel path."""
+    two = _with_backward_schedule(0, fn)
+    monkeypatch.setattr(launch, "attention_bwd_dkdv_kernel", _MustNotLaunch())
+    monkeypatch.setattr(launch, "attention_bwd_dq_kernel", _MustNotLaunch())
+    one = _with_backward_schedule(1, fn)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), one, two):
+        if INTERPRETED:
+            assert torch.equal(a, b), f"{name} differs between the one- and two-launch backward"
+        elif atol_on_gpu is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=atol_on_gpu, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("scenario", ("plain", "causal", "causal-window", "softcap", "everything"))
+@pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "mqa-long-q"))
+def test_one_launch_backward_follows_the_eager_rule_and_equals_two_launches(monkeypatch, scenario, shape, seed):
+    """Backward schedule 1 (attention_bwd_kernel) runs the same per-program arithmetic as schedule 0:
+    bitwise the same gradients in the interpreter, the eager rule against float64 everywhere."""
+    dtype = torch.float16
+    kwargs = SCENARIOS[scenario](SHAPES[shape])
+    q, k, v = random_qkv(*SHAPES[shape], dtype, requires_grad=True)
+
+    def call():
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+        return out, lse, (q, k, v)
+
+    _assert_one_launch_equals_two(monkeypatch, call, atol_on_gpu=None)  # fp16 on a GPU: the eager rule below
+    with flashtile.use_backend("triton", backward_schedule=1, bwd_block_m=16, bwd_block_n=32):
+        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
+                                            seed)
+
+
+@pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
+def test_one_launch_backward_of_packed_sequences_equals_two_launches(monkeypatch, lengths):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS[lengths], 4, 2, 16, 24, torch.float32)
+
+    def call():
+        out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+        return out, lse, (q, k, v)
+
+    _assert_one_launch_equals_two(monkeypatch, call, atol_on_gpu=1e-5)
+
+
+def test_backward_schedule_is_validated_and_reported():
+    with pytest.raises(ValueError, match=r"backward_schedule must be one of \[0, 1\], got 2"):
+        with flashtile.use_backend("triton", backward_schedule=2):
+            pass
+    q = torch.randn(1, 40, 2, 16, device=DEVICE)
+    with flashtile.use_backend("triton", backward_schedule=1):
+        text = str(flashtile.explain(q, q, q))
+    assert "attention_bwd_kernel, the dK/dV and dQ programs in one launch" in text, text
+    with flashtile.use_backend("triton"):
+        text = str(flashtile.explain(q, q, q))
+    assert "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel" in text, text

@@ -125,10 +125,11 @@ class TritonBackend:
     def check_tile_setting(self, key: str, value: int) -> None:
         if key.startswith(("block", "bwd_block")) and (value < 16 or value & (value - 1)):
             raise ValueError(f"tile setting {key} must be a power of two >= 16, got {value}")
-        if key == "forward_schedule":
-            if value not in triton_configs.FORWARD_SCHEDULES:
-                raise ValueError(f"tile setting forward_schedule must be one of "
-                                 f"{sorted(triton_configs.FORWARD_SCHEDULES)}, got {value}")
+        schedules = {"forward_schedule": triton_configs.FORWARD_SCHEDULES,
+                     "backward_schedule": triton_configs.BACKWARD_SCHEDULES}.get(key)
+        if schedules is not None:
+            if value not in schedules:
+                raise ValueError(f"tile setting {key} must be one of {sorted(schedules)}, got {value}")
         elif value < 1:
             raise ValueError(f"tile setting {key} must be a positive int, got {value}")
 

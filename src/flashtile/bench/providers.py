@@ -14,9 +14,9 @@ Each provider answers three questions:
     asked for (FlexAttention falling back to eager); None when they look right.
 
 The contenders: one "flashtile[<backend>]" per flashtile backend (so a new backend shows up by
-itself), "flashtile[triton:tma]" / "flashtile[triton:tma-ws]" with a Triton forward schedule forced
-(only when named), torch SDPA with each backend forced ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
-"sdpa-math"), FlexAttention under torch.compile ("flex", CUDA only), naive materialised attention
+itself), "flashtile[triton:tma]" / "flashtile[triton:tma-ws]" / "flashtile[triton:bwd1]" with a Triton
+forward schedule or the one-launch backward forced (only when named), torch SDPA with each backend
+forced ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math"), FlexAttention under torch.compile ("flex", CUDA only), naive materialised attention
 ("naive"), and the optional packages flash-attn 2 ("flash_attn") and FlashAttention 4's CuTe-DSL
 interface ("flash_attn.cute").
 """
@@ -86,17 +86,18 @@ class Provider:
 
 class FlashtileProvider(Provider):
     """flashtile.flash_attn_func with one backend forced through flashtile.use_backend, and optionally
-    one of the Triton forward schedules forced (otherwise the tile table chooses)."""
+    one of the Triton schedules forced by name (otherwise the tile table chooses)."""
 
     io_model = "tiled"
-    SCHEDULE_NAMES = {1: "tma", 2: "tma-ws"}
+    # named schedules: the tile settings each forces
+    SCHEDULES = {"tma": {"forward_schedule": 1}, "tma-ws": {"forward_schedule": 2}, "bwd1": {"backward_schedule": 1}}
 
-    def __init__(self, backend: str, forward_schedule: int | None = None):
-        self.backend, self.forward_schedule = backend, forward_schedule
-        suffix = "" if forward_schedule is None else f":{self.SCHEDULE_NAMES[forward_schedule]}"
-        self.name = f"flashtile[{backend}{suffix}]"
+    def __init__(self, backend: str, schedule: str | None = None):
+        self.backend, self.schedule = backend, schedule
+        self.tiles = {} if schedule is None else self.SCHEDULES[schedule]
+        self.name = f"flashtile[{backend}{'' if schedule is None else ':' + schedule}]"
         # the forced schedules are for comparing schedules; the default grid runs what users get
-        self.in_default_grid = forward_schedule is None
+        self.in_default_grid = schedule is None
 
     def unavailable_reason(self, problem: Problem) -> str | None:
         s = problem.shape
@@ -107,14 +108,13 @@ class FlashtileProvider(Provider):
                                   softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                   return_lse=False)
         reason = _dispatch.BACKENDS[self.backend].unavailable_reason(call.problem)
-        if reason is None and self.forward_schedule is not None and problem.device.type == "cuda" and \
+        if reason is None and "forward_schedule" in self.tiles and problem.device.type == "cuda" and \
                 torch.cuda.get_device_capability(problem.device) < (9, 0):
             reason = "the TMA forward schedules need a GPU of compute capability 9.0 or newer"
         return reason
 
     def prepare(self, problem: Problem) -> Forward:
-        backend, causal = self.backend, problem.shape.causal
-        tiles = {} if self.forward_schedule is None else {"forward_schedule": self.forward_schedule}
+        backend, causal, tiles = self.backend, problem.shape.causal, self.tiles
 
         def forward(q, k, v):
             with flashtile.use_backend(backend, **tiles):
@@ -335,7 +335,7 @@ class OptionalPackageProvider(Provider):
 def all_providers() -> list[Provider]:
     """Every contender, in the order of the table and the plot's legend."""
     providers: list[Provider] = [FlashtileProvider(name) for name in _dispatch.BACKENDS]
-    providers += [FlashtileProvider("triton", schedule) for schedule in FlashtileProvider.SCHEDULE_NAMES]
+    providers += [FlashtileProvider("triton", schedule) for schedule in FlashtileProvider.SCHEDULES]
     providers += [SdpaProvider(label, backend) for label, backend in (
         ("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"),
         ("math", "MATH"))]

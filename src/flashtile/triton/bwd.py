@@ -1,6 +1,6 @@
 """Recompute-based attention backward pass in Triton (FA2 schedule, deterministic).
 
-Three kernels:
+Three kernels (backward schedule 0; schedule 1 runs 2 and 3 as one launch, attention_bwd_kernel):
 1. preprocess: delta = rowsum(dO * O) - dlse per query row (d lse / d s = P, so a cotangent on lse
    enters the softmax Jacobian's row term).
 2. dK/dV: one program per (key block, batch * K/V head). It loads its K and V block once, then for
@@ -147,6 +147,47 @@ def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, 
 
 
 @triton.jit
+def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                  stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                  stride_dvh, stride_lse_b, stride_lse_h,
+                  stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                  group_size, seqlen_q, seqlen_k,
+                  sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+                  HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr):
+    """The dK/dV work of program pid_n of key_programs for (batch entry b, K/V head hk)."""
+    q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
+        CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
+    q_ptr = Q + b * stride_qb + q_start * stride_qm
+    k_ptr = K + b * stride_kb + k_start * stride_kn
+    v_ptr = V + b * stride_vb + k_start * stride_vn
+    do_ptr = dOut + b * stride_dob + q_start * stride_dom
+    dk_ptr = dK + b * stride_dkb + k_start * stride_dkn
+    dv_ptr = dV + b * stride_dvb + k_start * stride_dvn
+    if VARLEN:
+        # the grid covers max_seqlen_k, a hint: a longer sequence's extra blocks are taken in turn
+        for n0 in range(pid_n * BLOCK_N, seqlen_k, key_programs * BLOCK_N):
+            _dkdv_key_block(n0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b, hk,
+                            q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
+                            stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
+                            stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                            group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
+                            diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
+                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    else:
+        _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b,
+                        hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
+                        stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
+                        stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                        group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
+                        diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
+                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+
+
+@triton.jit
 def attention_bwd_dkdv_kernel(
     Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
@@ -164,35 +205,15 @@ def attention_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
-    b, hk, _ = program_heads(pid_bhk, nheads_k, 1)
-    q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
-        CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
-    q_ptr = Q + b * stride_qb + q_start * stride_qm
-    k_ptr = K + b * stride_kb + k_start * stride_kn
-    v_ptr = V + b * stride_vb + k_start * stride_vn
-    do_ptr = dOut + b * stride_dob + q_start * stride_dom
-    dk_ptr = dK + b * stride_dkb + k_start * stride_dkn
-    dv_ptr = dV + b * stride_dvb + k_start * stride_dvn
-    if VARLEN:
-        # the grid covers max_seqlen_k, a hint: a longer sequence's extra blocks are taken in turn
-        for n0 in range(pid_n * BLOCK_N, seqlen_k, tl.num_programs(0) * BLOCK_N):
-            _dkdv_key_block(n0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b, hk,
-                            q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
-                            stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
-                            stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-                            group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
-                            diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
-                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
-    else:
-        _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b,
-                        hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
-                        stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
-                        stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-                        group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
-                        diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
-                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    b, hk, _ = program_heads(tl.program_id(1), nheads_k, 1)
+    _dkdv_program(tl.program_id(0), tl.num_programs(0), b, hk, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask,
+                  CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb,
+                  stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+                  stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b,
+                  stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k, sm_scale, score_scale,
+                  softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
+                  BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
+                  VARLEN)
 
 
 @triton.jit
@@ -271,6 +292,44 @@ def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q
 
 
 @triton.jit
+def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
+                stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                seqlen_q, seqlen_k,
+                sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr):
+    """The dQ work of program pid_m of query_programs for (batch entry b, query head h of K/V head hk)."""
+    q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
+        CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
+    q_ptr = Q + b * stride_qb + q_start * stride_qm
+    k_ptr = K + b * stride_kb + k_start * stride_kn
+    v_ptr = V + b * stride_vb + k_start * stride_vn
+    do_ptr = dOut + b * stride_dob + q_start * stride_dom
+    dq_ptr = dQ + b * stride_dqb + q_start * stride_dqm
+    if VARLEN:
+        for m0 in range(pid_m * BLOCK_M, seqlen_q, query_programs * BLOCK_M):
+            _dq_query_block(m0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk, q_start,
+                            stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
+                            stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b,
+                            stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale,
+                            softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
+                            HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                            HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    else:
+        _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk,
+                        q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
+                        stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
+                        stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
+                        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
+                        HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                        HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+
+
+@triton.jit
 def attention_bwd_dq_kernel(
     Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
@@ -287,30 +346,62 @@ def attention_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h, hk = program_heads(pid_bh, nheads, group_size)
-    q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
-        CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
-    q_ptr = Q + b * stride_qb + q_start * stride_qm
-    k_ptr = K + b * stride_kb + k_start * stride_kn
-    v_ptr = V + b * stride_vb + k_start * stride_vn
-    do_ptr = dOut + b * stride_dob + q_start * stride_dom
-    dq_ptr = dQ + b * stride_dqb + q_start * stride_dqm
-    if VARLEN:
-        for m0 in range(pid_m * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
-            _dq_query_block(m0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk, q_start,
-                            stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
-                            stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b,
-                            stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale,
-                            softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
-                            HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+    b, h, hk = program_heads(tl.program_id(1), nheads, group_size)
+    _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask,
+                CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb,
+                stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+                stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m,
+                stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset,
+                window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT,
+                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN)
+
+
+@triton.jit
+def attention_bwd_kernel(
+    Q, K, V, dOut, Lse, Delta, dQ, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h,
+    stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_k, key_programs, query_programs,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Backward schedule 1: the dK/dV and the dQ programs in one launch, grid (key_programs * nheads_k +
+    query_programs * nheads, batch). The first key_programs * nheads_k programs of axis 0 do what
+    attention_bwd_dkdv_kernel's do, the rest what attention_bwd_dq_kernel's do (same tiles, same
+    arithmetic, each output written by one program: as deterministic as the two launches), so the
+    two kinds of program can share the GPU instead of the dQ launch waiting for the dK/dV launch's
+    last wave."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    dkdv_programs = key_programs * nheads_k
+    if pid < dkdv_programs:
+        hk = (pid // key_programs).to(tl.int64)
+        _dkdv_program(pid % key_programs, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask,
+                      CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
+                      stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_slopes_b,
+                      stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k,
+                      sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+                      HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN)
     else:
-        _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk,
-                        q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
-                        stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
-                        stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
-                        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
-                        HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                        HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+        # the dQ programs use the transposed tile: BLOCK_N query rows against BLOCK_M keys
+        r = pid - dkdv_programs
+        h = (r // query_programs).to(tl.int64)
+        _dq_program(r % query_programs, query_programs, b, h, h // group_size, Q, K, V, dOut, Lse, Delta, dQ,
+                    Slopes, Mask, CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
+                    stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb,
+                    stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h,
+                    stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale,
+                    softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
+                    BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN)

@@ -32,12 +32,13 @@ class TritonTiles:
     bwd_num_warps: int
     bwd_num_stages: int
     forward_schedule: int = 0  # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py)
+    backward_schedule: int = 0  # 0: dK/dV then dQ kernel; 1: both kinds of program in one launch (bwd.py)
 
     def describe(self, problem: AttentionProblem) -> str:
         return (f"forward ({FORWARD_SCHEDULES[self.forward_schedule]}) BLOCK_M {self.block_m} x BLOCK_N "
-                f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages; backward BLOCK_M "
-                f"{self.bwd_block_m} x BLOCK_N {self.bwd_block_n}, {self.bwd_num_warps} warps, "
-                f"{self.bwd_num_stages} stages")
+                f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages; backward "
+                f"({BACKWARD_SCHEDULES[self.backward_schedule]}) BLOCK_M {self.bwd_block_m} x BLOCK_N "
+                f"{self.bwd_block_n}, {self.bwd_num_warps} warps, {self.bwd_num_stages} stages")
 
 
 FORWARD_SCHEDULES = {
@@ -45,6 +46,12 @@ FORWARD_SCHEDULES = {
     1: "attention_fwd_tma_kernel, TMA descriptors, when strides are 16-byte aligned and there is no attn_mask",
     2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no "
         "attn_mask (experimental: not bitwise reproducible on an H200 with triton 3.6)"),
+}
+
+BACKWARD_SCHEDULES = {
+    0: "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel",
+    1: ("attention_bwd_kernel, the dK/dV and dQ programs in one launch (experimental: opt-in, not yet timed "
+        "on a GPU)"),
 }
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)

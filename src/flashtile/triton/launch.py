@@ -16,7 +16,8 @@ import triton
 
 from .._validate import AttentionProblem
 from .common import LOG2E
-from .bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
+                  attention_bwd_preprocess_kernel)
 from .configs import TritonTiles
 from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .configs import interpreting
@@ -177,31 +178,33 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
         out, grad_out, grad_lse, delta,
         out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         p.nheads, rows, HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
-    lse_strides = (lse.stride(0) * batch_q, lse.stride(1))
+    def rows(t, batch_stride):  # (batch, row, head) strides; packed tensors have batch stride 0
+        return t.stride(0) * batch_stride, t.stride(1), t.stride(2)
+
+    inputs = (*rows(q, batch_q), *rows(k, batch_k), *rows(v, batch_k), *rows(grad_out, batch_q))
+    dq_strides, dk_strides, dv_strides = rows(dq, batch_q), rows(dk, batch_k), rows(dv, batch_k)
+    stats = (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides)
+    bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
+    key_programs = max(1, _cdiv(p.seqlen_k, tiles.bwd_block_n))
+    query_programs = max(1, _cdiv(p.seqlen_q, tiles.bwd_block_n))  # the dQ programs' tile is transposed
+    if tiles.backward_schedule == 1 and k.shape[1] > 0:
+        attention_bwd_kernel[(key_programs * p.nheads_k + query_programs * p.nheads, p.batch)](
+            q, k, v, grad_out, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k,
+            *inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
+            p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars,
+            BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
+        return dq, dk, dv
     if k.shape[1] > 0:
-        attention_bwd_dkdv_kernel[(max(1, _cdiv(p.seqlen_k, tiles.bwd_block_n)), p.batch * p.nheads_k)](
+        attention_bwd_dkdv_kernel[(key_programs, p.batch * p.nheads_k)](
             q, k, v, grad_out, lse, delta, dk, dv, slopes, mask, cu_q, cu_k,
-            q.stride(0) * batch_q, q.stride(1), q.stride(2),
-            k.stride(0) * batch_k, k.stride(1), k.stride(2),
-            v.stride(0) * batch_k, v.stride(1), v.stride(2),
-            grad_out.stride(0) * batch_q, grad_out.stride(1), grad_out.stride(2),
-            dk.stride(0) * batch_k, dk.stride(1), dk.stride(2),
-            dv.stride(0) * batch_k, dv.stride(1), dv.stride(2),
-            *lse_strides, slopes_stride, *mask_strides,
+            *inputs, *dk_strides, *dv_strides, *stats,
             p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
-            BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, num_warps=tiles.bwd_num_warps,
-            num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
+            BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
     # the dQ kernel uses the transposed tile: bwd_block_n query rows against bwd_block_m keys
-    attention_bwd_dq_kernel[(max(1, _cdiv(p.seqlen_q, tiles.bwd_block_n)), p.batch * p.nheads)](
+    attention_bwd_dq_kernel[(query_programs, p.batch * p.nheads)](
         q, k, v, grad_out, lse, delta, dq, slopes, mask, cu_q, cu_k,
-        q.stride(0) * batch_q, q.stride(1), q.stride(2),
-        k.stride(0) * batch_k, k.stride(1), k.stride(2),
-        v.stride(0) * batch_k, v.stride(1), v.stride(2),
-        grad_out.stride(0) * batch_q, grad_out.stride(1), grad_out.stride(2),
-        dq.stride(0) * batch_q, dq.stride(1), dq.stride(2),
-        *lse_strides, slopes_stride, *mask_strides, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
-        BLOCK_M=tiles.bwd_block_n, BLOCK_N=tiles.bwd_block_m, num_warps=tiles.bwd_num_warps,
-        num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
+        *inputs, *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+        BLOCK_M=tiles.bwd_block_n, BLOCK_N=tiles.bwd_block_m, **bwd)
     return dq, dk, dv
 
 
