@@ -6,7 +6,9 @@ Short calls are limited by the host when issuing the work takes longer than runn
   median     triton.testing.do_bench median of one call (ms)
   host       ms of Python per call: 50 calls issued back to back, timed before waiting for the GPU
   kernels    ms of GPU kernels per call (torch.profiler)
-then a cProfile of 50 calls (internal time), to show which Python functions the host time goes to.
+then a cProfile of 50 calls (internal time), to show which Python functions the host time goes to;
+and the floors any Python-launched kernel pays on that host: one launch of an empty Triton kernel with
+one argument and with 40 (about what the attention kernels take), and one torch.empty.
 
     python benchmarks/host_overhead.py
 """
@@ -20,6 +22,7 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
@@ -61,9 +64,36 @@ def report(name: str, fn) -> None:
     print(body[body.index("ncalls"):] if "ncalls" in body else body, flush=True)
 
 
+@triton.jit
+def _empty_kernel(X):
+    pass
+
+
+@triton.jit
+def _empty_kernel_40_args(X, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
+                          a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33, a34,
+                          B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
+    pass
+
+
+def launch_floors(device: torch.device) -> None:
+    x = torch.empty(1, device=device)
+    ints = list(range(1, 36))
+    calls = {
+        "empty Triton kernel, 1 argument": lambda: _empty_kernel[(1,)](x),
+        "empty Triton kernel, 36 arguments + 4 constexprs": lambda: _empty_kernel_40_args[(1,)](
+            x, *ints, B0=16, B1=32, B2=True, B3="ieee"),
+        "torch.empty": lambda: torch.empty(64, device=device),
+    }
+    for name, fn in calls.items():
+        fn()
+        print(f"floor: {name}: {1e3 * host_ms(fn, calls=2000):.1f} us of host time per call", flush=True)
+
+
 def main() -> None:
     device, dtype = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
+    launch_floors(device)
     with flashtile.use_backend("triton"):
         for d, h in ((128, 16), (64, 32)):
             q, k, v = (torch.randn(16, 1024, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
