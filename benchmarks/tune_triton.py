@@ -8,7 +8,8 @@ table in src/flashtile/triton/configs.py; the benchmark of record is `flashtile 
     python benchmarks/tune_triton.py --headdim 128 --seqlens 4096,16384 --configs 128x64w8s3,128x128w8s2
 Config syntax: {BLOCK_M}x{BLOCK_N}w{warps}s{stages}[t{schedule}] for the forward (schedule 0: pointer
 loads, 1: TMA descriptors, 2: TMA + warp specialization; default 0); the backward keeps its default
-unless --bwd-configs is given (same syntax, without the schedule).
+unless --bwd-configs is given (same syntax; there t is the backward schedule: 0 two launches, 1 the
+dK/dV and dQ programs in one launch).
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def main() -> None:
             for bm, bn, w, s, schedule in fwd_configs:
                 candidates.append(dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
                                                       forward_schedule=schedule))
-            for bm, bn, w, s, _ in bwd_configs:
+            for bm, bn, w, s, schedule in bwd_configs:
                 candidates.append(dataclasses.replace(default, bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=w,
-                                                      bwd_num_stages=s))
+                                                      bwd_num_stages=s, backward_schedule=schedule))
             for causal in causals:
                 for mode in modes:
                     def step(fn):
@@ -117,7 +118,8 @@ def main() -> None:
                         ratios = " ".join(f"{rate / r:.2f}x {n}" for n, r in peer_rates.items())
                         print(f"d{headdim} N{seqlen} B{batch} H{heads} causal={int(causal)} {mode:7s} "
                               f"fwd {tiles.block_m}x{tiles.block_n}w{tiles.num_warps}s{tiles.num_stages}t{tiles.forward_schedule} "
-                              f"bwd {tiles.bwd_block_m}x{tiles.bwd_block_n}w{tiles.bwd_num_warps}s{tiles.bwd_num_stages}: "
+                              f"bwd {tiles.bwd_block_m}x{tiles.bwd_block_n}w{tiles.bwd_num_warps}s{tiles.bwd_num_stages}"
+                              f"t{tiles.backward_schedule}: "
                               f"{rate:6.1f} TFLOP/s | peers " + " ".join(f"{n} {r:.0f}" for n, r in peer_rates.items())
                               + f" | {ratios}", flush=True)
             names = executed_kernels(lambda: torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True),
