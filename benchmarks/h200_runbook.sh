@@ -9,9 +9,11 @@
 #                                             # then where the warp-specialized schedule goes wrong
 #   bash benchmarks/h200_runbook.sh backward  # the one-launch backward (schedule 1): GPU tests, then timed
 #                                             # beside the two-launch default, cuDNN, FA2 and FlexAttention
+#   bash benchmarks/h200_runbook.sh host      # host floors and host time per call (host_overhead.py), then
+#                                             # paged-decode tiles and split counts where paged trails
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules or backward}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward or host}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -63,5 +65,11 @@ case $stage in
     timeout 150 python benchmarks/tune_triton.py --headdim 128 --seqlens 4096,16384 --causal no --modes fwd+bwd \
       --bwd-configs 32x64w4s3t1,64x64w4s3t1,32x128w8s3t1,64x128w8s2t1 > "$out/backward-tiles.txt" 2>&1
     tail -14 "$out/backward-tiles.txt" ;;
+  host)
+    timeout 90 python benchmarks/host_overhead.py > "$out/host-overhead.txt" 2>&1
+    grep -E "^(floor|d |decode)" "$out/host-overhead.txt"
+    timeout 300 python benchmarks/tune_decode.py --variants --cells 8x131072x16,8x131072x256,1x131072x16,8x32768x16 \
+      --tiles 128x4x2,128x4x3,128x8x2,64x4x2 --split-factors 1,2,3,4,6 > "$out/decode-tune.txt" 2>&1
+    tail -30 "$out/decode-tune.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -13,6 +13,10 @@ cProfile of the host work of 200 API calls at the first cell.
 
     python benchmarks/tune_decode.py --variants
     python benchmarks/tune_decode.py --graphs
+    python benchmarks/tune_decode.py --variants --cells 8x131072x16,8x131072x256 \
+        --tiles 128x4x2,128x4x3,128x8x2,256x8x2 --split-factors 1,2,3,4,6,8
+(cells: batch x cache length x page size, 0 = contiguous; tiles: keys per block x warps x stages;
+split factors multiply the split count that two waves of programs would give.)
 """
 
 from __future__ import annotations
@@ -49,10 +53,10 @@ def graph_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
-def sweep_variants(call, batch: int, kv_bytes: int) -> None:
+def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=SPLIT_FACTORS) -> None:
     auto = launch.decode_geometry(call.problem, call.page_size, 0)
     results = []
-    for tile, factor in ((t, f) for t in TILES for f in SPLIT_FACTORS):  # splits: multiples of two waves'
+    for tile, factor in ((t, f) for t in tiles for f in split_factors):  # splits: multiples of two waves'
         base = launch.decode_geometry(call.problem, call.page_size, 0, tile)
         if factor > 1 and base.splits == 1 and batch * 8 >= 132:
             continue  # the heuristic's single split already fills the GPU
@@ -76,11 +80,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", action="store_true", help="sweep decode tiles and split counts")
     parser.add_argument("--graphs", action="store_true", help="API and SDPA replayed from CUDA graphs; host profile")
+    parser.add_argument("--cells", default="", help="BATCHxLENGTHxPAGE,... (default: the built-in list)")
+    parser.add_argument("--tiles", default="", help="BLOCK_NxWARPSxSTAGES,... for --variants")
+    parser.add_argument("--split-factors", default="", help="comma-separated multiples of the two-wave split count")
     args = parser.parse_args()
+    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",") if c] or CELLS
+    tiles = [launch.DecodeTile(*(int(x) for x in t.split("x")), waves=2) for t in args.tiles.split(",") if t] or TILES
+    factors = tuple(int(f) for f in args.split_factors.split(",") if f) or SPLIT_FACTORS
     device, dtype = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}; "
           "32 query heads / 8 K/V heads, d 128, bf16")
-    for batch, length, page in CELLS:
+    for batch, length, page in cells:
         q = torch.randn(batch, 1, 32, 128, device=device, dtype=dtype)
         k = torch.randn(batch, length, 8, 128, device=device, dtype=dtype)
         v = torch.randn(batch, length, 8, 128, device=device, dtype=dtype)
@@ -117,14 +127,14 @@ def main() -> None:
             line += f"  sdpa {ms_sdpa * 1e3:8.1f} us ({kv_bytes / ms_sdpa / 1e6:6.0f} GB/s)"
         print(line, flush=True)
         if args.variants:
-            sweep_variants(call, batch, kv_bytes)
+            sweep_variants(call, batch, kv_bytes, tiles, factors)
         if args.graphs:
             with flashtile.use_backend("triton"):
                 line = f"    from CUDA graphs: flashtile {graph_us(api):8.1f} us"
             if not page:
                 line += f"  sdpa {graph_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)):8.1f} us"
             print(line, flush=True)
-            if (batch, length, page) == CELLS[0]:
+            if (batch, length, page) == cells[0]:
                 profile = cProfile.Profile()
                 with flashtile.use_backend("triton"):
                     profile.runcall(lambda: [api() for _ in range(200)])
