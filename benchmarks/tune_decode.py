@@ -8,8 +8,8 @@ For each cell (batch x cache length, 32 query heads on 8 K/V heads, d 128, bf16,
   sdpa     torch SDPA's default on the same contiguous cache (do_bench median)
 then (--variants) the decode kernel alone, replayed from a CUDA graph (triton.testing.do_bench_cudagraph),
 for tile variants (keys per block, warps, pipeline stages) and split counts (multiples of the heuristic's),
-or (--graphs) the API call and SDPA both replayed from CUDA graphs, as a serving loop runs them, and a
-cProfile of the host work of 200 API calls at the first cell.
+or (--graphs) the API call and SDPA both replayed from CUDA graphs, as a serving loop runs them (where the
+host time goes: benchmarks/host_overhead.py).
 
     python benchmarks/tune_decode.py --variants
     python benchmarks/tune_decode.py --graphs
@@ -22,9 +22,6 @@ split factors multiply the split count that two waves of programs would give.)
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,20 +30,16 @@ import triton.testing
 
 import flashtile
 from flashtile._validate import prepare_kvcache
+from flashtile.bench.decode import paged_cache
 from flashtile.triton import launch
+
+from host_overhead import host_ms  # the script beside this one
 
 CELLS = [(1, 4096, 0), (1, 32768, 0), (1, 131072, 0), (8, 4096, 0), (8, 32768, 0), (8, 131072, 0),
          (64, 4096, 0), (64, 32768, 0), (8, 131072, 16), (8, 131072, 256), (1, 131072, 16)]
 TILES = [launch.DecodeTile(n, w, s, waves=2) for n, w, s in
          [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3)]]
 SPLIT_FACTORS = (1, 2, 4)
-
-
-def scatter_pages(cache: torch.Tensor, order: torch.Tensor, page: int) -> torch.Tensor:
-    """(batch, length, heads, d) as pages of `page` keys, page i of the flattened batch at block order[i]."""
-    pages = torch.empty_like(cache).view(-1, page, *cache.shape[2:])
-    pages[order] = cache.reshape(-1, page, *cache.shape[2:])
-    return pages
 
 
 def graph_us(fn) -> float:
@@ -95,11 +88,7 @@ def main() -> None:
         k = torch.randn(batch, length, 8, 128, device=device, dtype=dtype)
         v = torch.randn(batch, length, 8, 128, device=device, dtype=dtype)
         lengths = torch.full((batch,), length, dtype=torch.int32, device=device)
-        table = None
-        if page:
-            order = torch.randperm(batch * length // page, device=device)
-            k, v = scatter_pages(k, order, page), scatter_pages(v, order, page)
-            table = order.view(batch, -1).to(torch.int32)
+        k, v, table = paged_cache(k, v, page) if page else (k, v, None)
         kv_bytes = 2 * batch * length * 8 * 128 * 2
 
         def api():
@@ -111,12 +100,7 @@ def main() -> None:
         with flashtile.use_backend("triton"):
             api()
             ms_api = triton.testing.do_bench(api, warmup=25, rep=100, return_mode="median")
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                api()
-            host_us = (time.perf_counter() - start) / 200 * 1e6
-            torch.cuda.synchronize()
+            host_us = 1e3 * host_ms(api, calls=200)
         ms_launch = triton.testing.do_bench(lambda: launch.decode(call, 0), warmup=25, rep=100, return_mode="median")
         line = (f"batch {batch:3d} cache {length:6d} page {page:3d}: api {ms_api * 1e3:8.1f} us "
                 f"({kv_bytes / ms_api / 1e6:6.0f} GB/s)  launch {ms_launch * 1e3:8.1f} us  host {host_us:6.1f} us/call")
@@ -134,12 +118,6 @@ def main() -> None:
             if not page:
                 line += f"  sdpa {graph_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)):8.1f} us"
             print(line, flush=True)
-            if (batch, length, page) == cells[0]:
-                profile = cProfile.Profile()
-                with flashtile.use_backend("triton"):
-                    profile.runcall(lambda: [api() for _ in range(200)])
-                torch.cuda.synchronize()
-                pstats.Stats(profile).sort_stats("tottime").print_stats(18)
         del q, k, v, call
 
 

@@ -104,7 +104,7 @@ def test_float64_matches_the_oracle_and_appends(page_size, seqlen_q, seqlen_new,
 @pytest.mark.parametrize("seqlen_q", (1, 3), ids=("decode", "speculative"))
 @pytest.mark.parametrize("page_size", (None, 16, 48), ids=("contiguous", "page16", "page48"))
 def test_low_precision_follows_the_eager_rule_and_splits_agree(backend, page_size, seqlen_q, scenario, dtype, seed):
-    """Every backend, contiguous and paged caches (48: a page that 64-key blocks would straddle), 0, 1, 3, 8 splits."""
+    """Every backend, contiguous and paged caches (48: a page that key blocks straddle), 0, 1, 3, 8 splits."""
     skip_unsupported(backend, dtype)
     k_cache, v_cache, table = make_cache(dtype, page_size)
     before_k, before_v = k_cache.clone(), v_cache.clone()
@@ -256,7 +256,7 @@ def test_num_splits_must_be_a_non_negative_int():
 
 
 def test_explain_names_the_decode_schedule(backend):
-    k_cache, v_cache, table = make_cache(torch.float32, 16, max_blocks=12)  # three 64-key blocks: 3 splits
+    k_cache, v_cache, table = make_cache(torch.float32, 16, max_blocks=12)  # 192 keys: more than one key block
     q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device=DEVICE)
     with flashtile.use_backend(backend):
         text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=10,

@@ -28,11 +28,9 @@ from torch.autograd.function import once_differentiable
 from ._dispatch import BACKENDS
 from ._validate import AttentionProblem, PreparedCall, unit_last_stride
 
-# the operator's tensor arguments after q, k, v: optional ones that get no gradient
+# the operator's tensor arguments after q, k, v: optional ones that get no gradient (the non-tensor
+# arguments after them differ between the two paths, see _save)
 _NO_GRAD_TENSORS = ("alibi_slopes", "attn_mask", "cu_seqlens_q", "cu_seqlens_k")
-# then its non-tensor arguments
-_SCALARS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right", "diagonal_offset",
-            "softcap", "alignment", "backend", "tiles")
 
 
 def _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
@@ -112,48 +110,45 @@ def _(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens
 
 
 def _save(ctx, inputs, output) -> None:
+    """Keep q, k, v, out, lse and the _NO_GRAD_TENSORS for the backward; the rest of `inputs` (the custom
+    op's scalars, or the eager path's problem, backend and tiles) goes to ctx.rest as it is."""
     out, lse = output
     ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:3 + len(_NO_GRAD_TENSORS)])
-    ctx.scalars = inputs[3 + len(_NO_GRAD_TENSORS):]
+    ctx.rest = inputs[3 + len(_NO_GRAD_TENSORS):]
 
 
-def _usable_grad_out(grad_out, out):
-    if grad_out is None:
-        return torch.zeros_like(out)
-    # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
-    return unit_last_stride(grad_out)
-
-
-def _gradients(ctx, grad_out, grad_lse):
-    """The custom op's autograd formula (the eager Function's is the same, with objects for scalars)."""
+def _gradients(ctx, grad_out, grad_lse, backward):
+    """The autograd formula of both paths; `backward` is the custom op (it takes ctx.rest as scalars) or
+    _run_backward (problem, backend, tiles)."""
     q, k, v, out, lse, *no_grad_tensors = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
     # grad_lse stays None when the caller never used lse: the backends skip that term
-    dq, dk, dv = attention_backward(_usable_grad_out(grad_out, out), grad_lse, q, k, v, out, lse, *no_grad_tensors,
-                                    *ctx.scalars)
-    return (dq, dk, dv) + (None,) * (len(_NO_GRAD_TENSORS) + len(_SCALARS))
+    # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
+    grad_out = unit_last_stride(grad_out)
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *no_grad_tensors, *ctx.rest)
+    return (dq, dk, dv) + (None,) * (len(_NO_GRAD_TENSORS) + len(ctx.rest))
 
 
-attention_forward.register_autograd(_gradients, setup_context=_save)
+attention_forward.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, grad_lse,
+                                                                              attention_backward),
+                                    setup_context=_save)
 
 
 class _EagerAttention(torch.autograd.Function):
     """Inputs: q, k, v, the _NO_GRAD_TENSORS, then (problem, backend name, the backend's tiles object)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *rest):
+    def forward(ctx, *inputs):
         ctx.set_materialize_grads(False)  # an unused lse must not cost a tensor of zeros
-        out, lse = _run_forward(q, k, v, *rest)
-        ctx.save_for_backward(q, k, v, out, lse, *rest[:len(_NO_GRAD_TENSORS)])
-        ctx.plan = rest[len(_NO_GRAD_TENSORS):]
-        return out, lse
+        output = _run_forward(*inputs)
+        _save(ctx, inputs, output)
+        return output
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, *no_grad_tensors = ctx.saved_tensors
-        dq, dk, dv = _run_backward(_usable_grad_out(grad_out, out), grad_lse, q, k, v, out, lse, *no_grad_tensors,
-                                   *ctx.plan)
-        return (dq, dk, dv) + (None,) * (len(_NO_GRAD_TENSORS) + len(ctx.plan))
+        return _gradients(ctx, grad_out, grad_lse, _run_backward)
 
 
 def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,9 +28,8 @@ import inspect
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, kvcache
 from ._validate import prepare_flash_attn, prepare_flash_attn_varlen, prepare_kvcache, prepare_sdpa
-from . import kvcache
 from .autograd import attention
 
 
@@ -134,10 +133,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             b's keys being its cache_seqlens[b] + seqlen_new cached tokens: causal and windows are
             bottom-right aligned to the end of each sequence.
         num_splits: split each sequence's keys into this many chunks, attended by separate programs and
-            merged exactly by their log-sum-exps (Flash-Decoding); 0 chooses: on the Triton backend enough
-            splits for about two waves of the GPU when batch x nheads_k cannot fill it, on the torch
-            backend 1 (splitting adds work and no parallelism there). Results agree across split counts up
-            to rounding.
+            merged exactly by their log-sum-exps (Flash-Decoding); 0 chooses: on the Triton backend, when
+            batch x nheads_k cannot fill the GPU, enough splits for a few waves of programs (the tuned
+            number per cache layout is in flashtile.triton.launch), on the torch backend 1 (splitting adds
+            work and no parallelism there). Results agree across split counts up to rounding.
         return_softmax_lse: also return lse (batch, nheads, seqlen_q) float32.
         check_values: whether the capacity and block-table rules, which need the values of cache_seqlens
             and block_table, are checked (see Raises). None (default): where that is free, i.e. for an

@@ -29,6 +29,7 @@ import torch
 from . import torch_impl
 from ._validate import KVCacheCall
 
+
 def _paged_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(block, slot) of key positions through block-table rows: table (..., max_blocks), positions (..., n)."""
     return table.to(torch.int64).gather(-1, positions // page_size), positions % page_size

@@ -70,7 +70,9 @@ class DecodeRow:
     ms: float | None = None
     gbps: float | None = None
     copy_fraction: float | None = None
-    kernel_ms: float | None = None  # device time of the kernels one call ran (profiler); ms - kernel_ms is host
+    # time of what one call ran (profiler): GPU kernels on CUDA (ms - kernel_ms is then host time), aten ops
+    # on the CPU
+    kernel_ms: float | None = None
     rel_error: float | None = None
     kernels: list[str] = field(default_factory=list)
 
@@ -129,8 +131,9 @@ class _Cell:
     reference: torch.Tensor  # float64 out of batch entry 0
 
 
-def _paged(k: torch.Tensor, v: torch.Tensor, page: int):
-    """The same cache as (num_blocks, page, heads, d) pages in shuffled order, and its block table."""
+def paged_cache(k: torch.Tensor, v: torch.Tensor, page: int):
+    """k, v (batch, length, heads, d) as a paged cache: (k_cache, v_cache) of shape (num_blocks, page, heads, d)
+    with the pages in shuffled order, and the block table (batch, pages) int32 that finds them."""
     batch, length = k.shape[:2]
     pages = -(-length // page)
     padded = pages * page
@@ -145,13 +148,13 @@ def _paged(k: torch.Tensor, v: torch.Tensor, page: int):
     return k_cache, v_cache, order.view(batch, pages).to(torch.int32)
 
 
-def _step(provider: str, cell: _Cell, page: int) -> Callable[[], torch.Tensor]:
-    """The timed call: returns out (batch, 1, nheads, d)."""
+def _step(provider: str, cell: _Cell, cache: tuple) -> Callable[[], torch.Tensor]:
+    """The timed call: returns out (batch, 1, nheads, d). cache: (k_cache, v_cache, block table or None)."""
     batch, length = cell.k.shape[:2]
     if provider == "sdpa":
         q, k, v = (t.transpose(1, 2) for t in (cell.q, cell.k, cell.v))
         return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
-    k_cache, v_cache, table = (cell.k, cell.v, None) if page == 0 else _paged(cell.k, cell.v, page)
+    k_cache, v_cache, table = cache
     lengths = torch.full((batch,), length, dtype=torch.int32, device=cell.q.device)
 
     def call():
@@ -172,14 +175,15 @@ def _measure_step(row: DecodeRow, step: Callable[[], torch.Tensor], cell: _Cell,
     row.kernel_ms = sum(us for _, us in kernels) / 1e3
 
 
-def _measure(row: DecodeRow, provider: str, cell: _Cell, config: DecodeConfig, copy_gbps: float) -> None:
+def _measure(row: DecodeRow, provider: str, cell: _Cell, cache: tuple, config: DecodeConfig,
+             copy_gbps: float) -> None:
     if provider == "sdpa" and row.page_size:
         row.status, row.reason = "skipped", "torch SDPA reads only a contiguous cache (see its page-0 row)"
         return
     backend = provider[len("flashtile["):-1] if provider.startswith("flashtile[") else "auto"
     try:
         with flashtile.use_backend(backend):  # entered once, outside the timed calls
-            _measure_step(row, _step(provider, cell, row.page_size), cell, config)
+            _measure_step(row, _step(provider, cell, cache), cell, config)
     except _dispatch.BackendUnavailableError as error:
         row.status, row.reason = "skipped", str(error)
         return
@@ -221,14 +225,20 @@ def run_decode_benchmark(config: DecodeConfig, progress: Callable[[str], None] =
         v = torch.randn(batch, length, config.nheads_k, config.headdim, **shape)
         reference = flash_attn_reference(q[:1], k[:1], v[:1])[0][0]
         cell = _Cell(q, k, v, reference)
-        for page, provider in itertools.product(config.pages, config.providers):
-            row = DecodeRow(provider=provider, batch=batch, cache_len=length, page_size=page, nheads=config.nheads,
-                            nheads_k=config.nheads_k, headdim=config.headdim, dtype=config.dtype_name)
-            progress(f"[{len(rows) + 1}/{config.row_count}] {provider} batch {batch} cache {length} "
-                     f"{'contiguous' if page == 0 else f'page {page}'}")
-            _measure(row, provider, cell, config, copy_gbps)
-            rows.append(row)
-            on_row(DecodeResult(header, rows))
+        for page in config.pages:
+            # one paged copy per page size, shared by the providers (SDPA reads only the contiguous cache)
+            paged = page and any(provider != "sdpa" for provider in config.providers)
+            cache = paged_cache(k, v, page) if paged else (k, v, None)
+            for provider in config.providers:
+                row = DecodeRow(provider=provider, batch=batch, cache_len=length, page_size=page,
+                                nheads=config.nheads, nheads_k=config.nheads_k, headdim=config.headdim,
+                                dtype=config.dtype_name)
+                progress(f"[{len(rows) + 1}/{config.row_count}] {provider} batch {batch} cache {length} "
+                         f"{'contiguous' if page == 0 else f'page {page}'}")
+                _measure(row, provider, cell, cache, config, copy_gbps)
+                rows.append(row)
+                on_row(DecodeResult(header, rows))
+            del cache
         del cell, q, k, v
     return DecodeResult(header, rows)
 

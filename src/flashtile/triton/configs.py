@@ -66,8 +66,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
 
     Measured on the H200 (BENCHMARKS.md, 2026-11-29 sweeps, bf16, d = 64 and 128, N = 1k..16k):
     - Hopper forward for fp16/bf16: TMA loads with 8 warps changed the forward by -2% to +8% from
-      N = 4k keys (a gain in 6 of 8 cells); at N = 1k they lost 4-15% (presumably the in-kernel descriptor set-up of every
-      short program; not verified). The warp-specialized loop (schedule 2) was fastest at d = 128
+      N = 4k keys (a gain in 6 of 8 cells); at N = 1k they lost 4-15% (presumably the in-kernel
+      descriptor set-up of every short program; not verified). The warp-specialized loop (schedule 2) was fastest at d = 128
       without a band (+19-23%) but, made the default, failed the GPU suite's 30-run determinism
       test and a ragged GQA accuracy test under triton 3.6, so it is opt-in only.
     - backward: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys was the best or

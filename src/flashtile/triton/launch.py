@@ -26,7 +26,8 @@ from .fwd_tma import attention_fwd_tma_kernel
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions in recent
-# Triton, ~2 us a call from Python (50x these), and a decode or fwd+bwd step calls them a dozen times.
+# Triton (triton 3.9 on the CI machine: 1.8 us a call from Python, 50x these), and a decode or fwd+bwd
+# step calls them a dozen times.
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -100,6 +101,12 @@ def _packing(q, k, cu_seqlens_q, cu_seqlens_k):
     return cu_seqlens_q, cu_seqlens_k, True, 0, 0
 
 
+def _row_strides(t: torch.Tensor, batch_stride: int) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a (batch, rows, heads, dim) tensor as the kernels take them; batch_stride
+    0 for packed sequences, whose batch entries are found through cu_seqlens instead (see _packing)."""
+    return t.stride(0) * batch_stride, t.stride(1), t.stride(2)
+
+
 def _outputs(q, problem: AttentionProblem, packed: bool):
     """out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q); packed: batch 1, total rows."""
     p = problem
@@ -120,7 +127,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     p = problem
     cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
     out, lse = _outputs(q, p, varlen)
-    if out.numel() == 0 and lse.numel() == 0 or p.batch == 0:
+    if (out.numel() == 0 and lse.numel() == 0) or p.batch == 0:
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     grid = (max(1, _cdiv(p.seqlen_q, tiles.block_m)), p.batch * p.nheads)
@@ -130,21 +137,14 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         del flags["MASK_KIND"]
         attention_fwd_tma_kernel[grid](
             q, k, v, out, lse, slopes,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+            *_row_strides(q, 1), *_row_strides(k, 1), *_row_strides(v, 1), *_row_strides(out, 1), slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2,
             MASK_ALL=problem.is_banded or p.seqlen_k % tiles.block_n != 0, **flags)
         return out, lse
     attention_fwd_kernel[grid](
         q, k, v, out, lse, slopes, mask, cu_q, cu_k,
-        q.stride(0) * batch_q, q.stride(1), q.stride(2),
-        k.stride(0) * batch_k, k.stride(1), k.stride(2),
-        v.stride(0) * batch_k, v.stride(1), v.stride(2),
-        out.stride(0) * batch_q, out.stride(1), out.stride(2),
+        *_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k), *_row_strides(out, batch_q),
         lse.stride(0) * batch_q, lse.stride(1),
         slopes_stride, *mask_strides,
         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
@@ -175,14 +175,12 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     # rows are independent here: a packed batch is one long sequence to the preprocess kernel
     rows, batch = out.shape[1], out.shape[0]
     attention_bwd_preprocess_kernel[(_cdiv(rows, 64), batch * p.nheads)](
-        out, grad_out, grad_lse, delta,
-        out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        out, grad_out, grad_lse, delta, *_row_strides(out, 1), *_row_strides(grad_out, 1),
         p.nheads, rows, HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
-    def rows(t, batch_stride):  # (batch, row, head) strides; packed tensors have batch stride 0
-        return t.stride(0) * batch_stride, t.stride(1), t.stride(2)
-
-    inputs = (*rows(q, batch_q), *rows(k, batch_k), *rows(v, batch_k), *rows(grad_out, batch_q))
-    dq_strides, dk_strides, dv_strides = rows(dq, batch_q), rows(dk, batch_k), rows(dv, batch_k)
+    inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
+              *_row_strides(grad_out, batch_q))
+    dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
+                                          _row_strides(dv, batch_k))
     stats = (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides)
     bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
     key_programs = max(1, _cdiv(p.seqlen_k, tiles.bwd_block_n))
@@ -233,7 +231,8 @@ class DecodeTile:
 # blocks, 2 stages (3 stages won at batch 1 but lost 5-18% at batch 8 and 64), about four waves (10
 # splits 3% faster than 5 at 8 x 128k). A paged cache, whose every key looks up its page: 128-key blocks
 # (fewer lookups per byte) and about eight waves (at 8 x 128k, 20 splits of 128-key blocks took 1,065 us,
-# 10 splits 1,194 us). Block size does not depend on the page size: pages of 16 keys are read through
+# 10 splits 1,194 us; the 17 splits that eight waves give there took 1,154 us in a later run, not yet
+# understood). Block size does not depend on the page size: pages of 16 keys are read through
 # the same per-key lookup as pages of 256.
 DECODE_TILE_CONTIGUOUS = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
 DECODE_TILE_PAGED = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=8)
@@ -256,8 +255,8 @@ class DecodeGeometry:
     block_n: int
     splits: int
     blocks_per_split: int
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int
+    num_stages: int
 
     def describe(self) -> str:
         merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
@@ -316,18 +315,15 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
     attention_decode_kernel[(splits, batch * p.nheads_k, row_blocks)](
         q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        table.stride(0), slopes_stride,
-        out.stride(0), out.stride(1), out.stride(2),
+        *_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
+        *_row_strides(out, 1),
         p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity, call.page_size or 1,
         k_cache.shape[0], blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out, window_left,
         window_right, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1, num_warps=shape.num_warps,
         num_stages=shape.num_stages, **flags)
     if splits > 1:
         attention_decode_combine_kernel[(batch * p.nheads_k, rows)](
-            part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
+            part_out, part_lse, out, lse, *_row_strides(out, 1),
             p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded,
             HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(splits))
     return out, lse
