@@ -7,8 +7,8 @@
 #   bash benchmarks/h200_runbook.sh decode    # bench --mode decode (issue 5 grid) + varlen vs dense
 #   bash benchmarks/h200_runbook.sh schedules # forward schedules forced, beside cuDNN and FlexAttention,
 #                                             # then where the warp-specialized schedule goes wrong
-#   bash benchmarks/h200_runbook.sh backward  # the one-launch backward (schedule 1): GPU tests, then timed
-#                                             # beside the two-launch default, cuDNN, FA2 and FlexAttention
+#   bash benchmarks/h200_runbook.sh backward  # backward schedules 0 (two launches) and 1 (one): GPU tests, then
+#                                             # both timed beside the table's choice, cuDNN, FA2 and FlexAttention
 #   bash benchmarks/h200_runbook.sh host      # host floors and host time per call (host_overhead.py), then
 #                                             # paged-decode tiles and split counts where paged trails
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
@@ -58,12 +58,12 @@ case $stage in
       tests/test_triton_schedules.py tests/test_gpu.py -k "one_launch or deterministic" > "$out/backward-tests.txt" 2>&1
     tail -3 "$out/backward-tests.txt"
     timeout 400 python -m flashtile bench --device cuda --mode bwd,fwd+bwd --max-call-seconds 1 \
-      --providers "flashtile[triton],flashtile[triton:bwd1],sdpa-cudnn,sdpa-flash,flex" \
+      --providers "flashtile[triton],flashtile[triton:bwd0],flashtile[triton:bwd1],sdpa-cudnn,sdpa-flash,flex" \
       --json "$out/$date-h200-backward-schedules.json" > "$out/backward.txt" 2> "$out/backward.progress"
     tail -40 "$out/backward.txt"
-    # the one-launch backward may want other tiles than the two kernels: a few, at the shapes it is furthest behind
+    # the table's d = 128 backward tile beside its neighbours, at the shapes it is furthest behind FlexAttention
     timeout 150 python benchmarks/tune_triton.py --headdim 128 --seqlens 4096,16384 --causal no --modes fwd+bwd \
-      --bwd-configs 32x64w4s3t1,64x64w4s3t1,32x128w8s3t1,64x128w8s2t1 > "$out/backward-tiles.txt" 2>&1
+      --bwd-configs 64x128w8s3t1,64x128w8s4t1,64x128w8s3t0,128x64w8s3t1 > "$out/backward-tiles.txt" 2>&1
     tail -14 "$out/backward-tiles.txt" ;;
   host)
     timeout 90 python benchmarks/host_overhead.py > "$out/host-overhead.txt" 2>&1

@@ -7,8 +7,10 @@ Rows (median of triton.testing.do_bench, forward and forward+backward, causal an
            (the padding is wasted work), so its TFLOP/s is directly comparable
   dense    flash_attn_func on batch x 4096 with the same total tokens (the dense kernel's rate)
 The issue's bar: varlen >= 0.9x dense, and faster than padded.
+With --bwd-tiles (backward configs in tune_triton.py's syntax, e.g. 32x64w4s3t1) it then times the varlen
+forward+backward under each of them, beside the dense rate measured above with the table's tiles.
 
-    python benchmarks/varlen_vs_dense.py
+    python benchmarks/varlen_vs_dense.py [--bwd-tiles 64x128w8s3t1,32x64w4s3t1]
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import triton.testing
 import flashtile
 from flashtile._measure import executed_kernels
 
+from tune_triton import parse_config
+
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -35,6 +39,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--bwd-tiles", default="", help="comma-separated backward configs to time varlen under")
+    parser.add_argument("--skip-padded", action="store_true", help="leave out the (slow) padded rows")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     generator = torch.Generator().manual_seed(0)
@@ -64,7 +70,8 @@ def main() -> None:
         cases = {
             "varlen": (lambda: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal),
                        (q, k, v), grad, real_flops),
-            "padded": (lambda: flashtile.flash_attn_func(*padded, causal=causal), padded, padded_grad, real_flops),
+            **({} if args.skip_padded else {"padded": (lambda: flashtile.flash_attn_func(*padded, causal=causal),
+                                                         padded, padded_grad, real_flops)}),
             "dense": (lambda: flashtile.flash_attn_func(*dense, causal=causal), dense, dense_grad, dense_flops),
         }
         rates = {}
@@ -82,8 +89,18 @@ def main() -> None:
                 kernels = executed_kernels(step, device, limit=4)
                 print(f"causal={int(causal)} {mode:7s} {name:6s} {ms:8.3f} ms {rates[name]:6.1f} TFLOP/s  {kernels}",
                       flush=True)
-            print(f"causal={int(causal)} {mode:7s} varlen / dense {rates['varlen'] / rates['dense']:.2f}x, "
-                  f"varlen / padded {rates['varlen'] / rates['padded']:.2f}x", flush=True)
+            versus_padded = f", varlen / padded {rates['varlen'] / rates['padded']:.2f}x" if "padded" in rates else ""
+            print(f"causal={int(causal)} {mode:7s} varlen / dense {rates['varlen'] / rates['dense']:.2f}x"
+                  f"{versus_padded}", flush=True)
+        fn, inputs, g, flops = cases["varlen"]
+        for text in filter(None, args.bwd_tiles.split(",")):
+            m, n, warps, stages, schedule = parse_config(text)
+            with flashtile.use_backend("triton", bwd_block_m=m, bwd_block_n=n, bwd_num_warps=warps,
+                                       bwd_num_stages=stages, backward_schedule=schedule):
+                ms = bench(lambda: torch.autograd.grad(fn(), inputs, g))
+            rate = 3.5 * flops / ms / 1e9
+            print(f"causal={int(causal)} fwd+bwd varlen backward {text:13s} {ms:8.3f} ms {rate:6.1f} TFLOP/s, "
+                  f"{rate / rates['dense']:.2f}x dense", flush=True)
 
 
 if __name__ == "__main__":

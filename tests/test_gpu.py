@@ -46,6 +46,30 @@ def test_triton_realistic_shapes(case, dtype, seed):
                                             seed)
 
 
+# Small ragged shapes at the tile table's own tiles (the small-shape suite forces 16 x 16 tiles): a padded
+# q/k head dim with a narrower value tile once made triton 3.6 read outside shared memory in the forward.
+NARROW_VALUE_SHAPES = {f"d40-dv{dv}": (1, 70, 37, 3, 1, 40, dv) for dv in (3, 8, 12, 16, 24)}
+NARROW_VALUE_SHAPES.update({"d8-dv40": (1, 70, 37, 3, 1, 8, 40), "d40-dv8-long-k": (1, 70, 300, 3, 1, 40, 8)})
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", NARROW_VALUE_SHAPES.values(), ids=NARROW_VALUE_SHAPES.keys())
+def test_default_tiles_with_a_value_tile_narrower_than_the_key_tile(shape, causal, seed):
+    dtype = torch.float16
+    q, k, v = random_qkv(*shape, dtype, requires_grad=True)
+    with flashtile.use_backend("triton"):
+        got = flashtile.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, causal=causal),
+                                            flash_attn_reference(q, k, v, causal=causal, dtype=dtype), (q, k, v),
+                                            dtype, seed)
+    with flashtile.use_backend("triton"):  # the decode kernel streams K and V the same way
+        out = flashtile.flash_attn_with_kvcache(q[:, :4].detach(), k.detach(), v.detach(), cache_seqlens=shape[2],
+                                                causal=causal, num_splits=3)
+    want, _ = flash_attn_reference(q[:, :4].detach(), k.detach(), v.detach(), causal=causal)
+    eager, _ = flash_attn_reference(q[:, :4].detach(), k.detach(), v.detach(), causal=causal, dtype=dtype)
+    assert_close_to_oracle("decode out", out, want, eager, dtype, seed)
+
+
 @pytest.mark.parametrize("backward_schedule", (0, 1), ids=("two-launch-bwd", "one-launch-bwd"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_triton_is_bitwise_deterministic_over_30_runs(causal, backward_schedule, seed):

@@ -73,6 +73,46 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))  # opt-in only
 
 
+def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_pay():
+    """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128, one launch below 16k keys at d = 64;
+    other GPUs and fp32 keep the two launches and their tiles."""
+    import dataclasses
+
+    from flashtile._validate import AttentionProblem
+    from flashtile.triton.configs import default_tiles
+
+    d128 = AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=4096, seqlen_k=4096, headdim=128, headdim_v=128,
+                            dtype=torch.bfloat16, device=torch.device("cpu"), softmax_scale=0.1, window_left=-1,
+                            window_right=-1, diagonal_offset=0, alignment="bottom-right", softcap=0.0,
+                            has_alibi=False, mask_kind=None)
+    tiles = default_tiles(d128, (9, 0))
+    assert (tiles.backward_schedule, tiles.bwd_block_m, tiles.bwd_block_n, tiles.bwd_num_warps) == (1, 64, 128, 8)
+    assert default_tiles(dataclasses.replace(d128, seqlen_q=1024, seqlen_k=1024), (9, 0)).backward_schedule == 1
+    d64 = dataclasses.replace(d128, headdim=64, headdim_v=64)
+    assert default_tiles(d64, (9, 0)).backward_schedule == 1
+    assert default_tiles(dataclasses.replace(d64, seqlen_q=16384, seqlen_k=16384), (9, 0)).backward_schedule == 0
+    for other, capability in ((d128, (8, 0)), (dataclasses.replace(d128, dtype=torch.float32), (9, 0)),
+                              (d64, (8, 6))):
+        tiles = default_tiles(other, capability)
+        assert tiles.backward_schedule == 0 and tiles.bwd_block_m == 32, (other, capability)
+
+
+def test_pipelined_kernels_pad_a_narrow_value_tile_to_the_key_tile_when_the_key_tile_is_padded():
+    """The workaround for triton 3.6's out-of-range shared reads (d 40 with dv < 32 on an H200): only where the
+    q/k head dim is padded and the value tile is narrower; every other width pair is left alone."""
+    from flashtile.triton.launch import _forward_widths
+
+    def widths(d, block_d, dv, block_dv):
+        flags = _forward_widths(dict(HEADDIM=d, BLOCK_D=block_d, HEADDIM_V=dv, BLOCK_DV=block_dv))
+        return flags["BLOCK_D"], flags["BLOCK_DV"]
+
+    assert widths(40, 64, 8, 16) == (64, 64)
+    assert widths(40, 64, 24, 32) == (64, 64)
+    assert widths(64, 64, 8, 16) == (64, 16)      # the key tile is not padded: measured correct as it was
+    assert widths(8, 16, 40, 64) == (16, 64)      # the value tile is the wider one
+    assert widths(128, 128, 128, 128) == (128, 128)
+
+
 def _with_backward_schedule(schedule, fn):
     """fn() under backward schedule `schedule` with ragged 16 x 32 backward tiles; returns (out, lse, dq, dk, dv)
     for fixed cotangents."""

@@ -50,8 +50,7 @@ FORWARD_SCHEDULES = {
 
 BACKWARD_SCHEDULES = {
     0: "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel",
-    1: ("attention_bwd_kernel, the dK/dV and dQ programs in one launch (experimental: opt-in, not yet timed "
-        "on a GPU)"),
+    1: "attention_bwd_kernel, the dK/dV and dQ programs in one launch",
 }
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
@@ -70,19 +69,28 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       descriptor set-up of every short program; not verified). The warp-specialized loop (schedule 2) was fastest at d = 128
       without a band (+19-23%) but, made the default, failed the GPU suite's 30-run determinism
       test and a ragged GQA accuracy test under triton 3.6, so it is opt-in only.
-    - backward: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys was the best or
-      within 5% of the best of six dK/dV and six dQ tilings at N = 4k and 16k.
+    - Hopper backward for fp16/bf16, d = 128: 64 query rows against 128 keys, 8 warps, 3 stages, the
+      dK/dV and dQ programs in one launch: +2% to +10% fwd+bwd over 32 x 64 with 4 warps in two
+      launches in all six cells (3 stages; 2 stages had been within 3% of the old tile). d = 64: the
+      old 32 x 128 tile in one launch, +1% to +4% below 16k keys, -2% to +0% at 16k (two launches kept
+      there); 64 x 128 with 8 warps lost 11-16% at d = 64.
+    - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
+      launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """
     if capability is None:
         return TritonTiles(16, 16, 1, 1, 16, 16, 1, 1)
     width = max(problem.headdim, problem.headdim_v)
+    hopper_16bit = capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
     # packed sequences keep to the pointer kernel (its programs follow each sequence's own length)
-    hopper_forward = (capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
-                      and problem.seqlen_k >= 4096 and not problem.varlen)
+    hopper_forward = hopper_16bit and problem.seqlen_k >= 4096 and not problem.varlen
+    forward_schedule = 1 if hopper_forward else 0
     if width <= 64:
+        one_launch = hopper_16bit and problem.seqlen_k < 16384
         if hopper_forward:
-            return TritonTiles(128, 64, 8, 3, 32, 128, 4, 3, forward_schedule=1)
-        return TritonTiles(128, 64, 4, 3, 32, 128, 4, 3)
+            return TritonTiles(128, 64, 8, 3, 32, 128, 4, 3, forward_schedule=1, backward_schedule=int(one_launch))
+        return TritonTiles(128, 64, 4, 3, 32, 128, 4, 3, backward_schedule=int(one_launch))
     if width <= 128:
-        return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=1 if hopper_forward else 0)
+        if hopper_16bit:
+            return TritonTiles(128, 64, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule, backward_schedule=1)
+        return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=forward_schedule)
     return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)

@@ -40,6 +40,21 @@ def _block_width(dim: int) -> int:
     return max(16, _next_power_of_2(dim))
 
 
+def _forward_widths(flags: dict) -> dict:
+    """The score flags for a kernel that streams K and V tiles through a pipelined loop (the forwards, decode).
+
+    Where the q/k head dim is padded (HEADDIM < BLOCK_D) and the value tile is narrower than the key tile,
+    triton 3.6 on an H200 computed P @ V from outside its shared-memory buffers (compute-sanitizer:
+    out-of-range shared address; wrong outputs, sometimes an illegal-address fault; headdim 40 with
+    headdim_v 3, 8, 12, 16 or 24 at 128 x 64 tiles; BENCHMARKS.md, 2026-11-29). Padding the value tile to the
+    key tile's width was measured correct in every such case; the result is the same (the extra columns
+    are masked), the cost is a wider P @ V for those uncommon shapes.
+    """
+    if flags["HEADDIM"] < flags["BLOCK_D"] and flags["BLOCK_DV"] < flags["BLOCK_D"]:
+        return dict(flags, BLOCK_DV=flags["BLOCK_D"])
+    return flags
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are multiplied in full fp32 unless the user allowed TF32, as torch's matmul does
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
@@ -130,6 +145,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     if (out.numel() == 0 and lse.numel() == 0) or p.batch == 0:
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
+    flags = _forward_widths(flags)
     grid = (max(1, _cdiv(p.seqlen_q, tiles.block_m)), p.batch * p.nheads)
     if tiles.forward_schedule > 0 and not varlen and _tma_ready((q, k, v, out), attn_mask):
         if not interpreting():
@@ -297,6 +313,7 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     if batch == 0:
         return out, lse
     slopes, slopes_stride, _, _, scalars, flags = _score_args(q, call.alibi_slopes, None, p)
+    flags = _forward_widths(flags)
     del flags["MASK_KIND"]  # a KV cache takes no attn_mask
     shape = geometry or decode_geometry(p, call.page_size, num_splits)
     block_m, row_blocks, block_n, splits = shape.block_m, shape.row_blocks, shape.block_n, shape.splits
