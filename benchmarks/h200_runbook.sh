@@ -11,9 +11,11 @@
 #                                             # both timed beside the table's choice, cuDNN, FA2 and FlexAttention
 #   bash benchmarks/h200_runbook.sh host      # host floors and host time per call (host_overhead.py), then
 #                                             # paged-decode tiles and split counts where paged trails
+#   bash benchmarks/h200_runbook.sh varlen    # where the packed batch's backward loses to the dense one:
+#                                             # log-uniform vs equal lengths, backward tiles, kernel times
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward or host}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host or varlen}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -71,5 +73,11 @@ case $stage in
     timeout 300 python benchmarks/tune_decode.py --variants --cells 8x131072x16,8x131072x256,1x131072x16,8x32768x16 \
       --tiles 128x4x2,128x4x3,128x8x2,64x4x2 --split-factors 1,2,3,4,6 > "$out/decode-tune.txt" 2>&1
     tail -30 "$out/decode-tune.txt" ;;
+  varlen)
+    timeout 100 python benchmarks/varlen_vs_dense.py --skip-padded \
+      --bwd-tiles 64x128w8s3t1,32x64w4s3t1 > "$out/varlen-loguniform.txt" 2>&1
+    timeout 100 python benchmarks/varlen_vs_dense.py --skip-padded --equal-lengths \
+      --bwd-tiles 64x128w8s3t1,32x64w4s3t1 > "$out/varlen-equal.txt" 2>&1
+    grep -h "x dense\|varlen / dense" "$out/varlen-loguniform.txt" "$out/varlen-equal.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

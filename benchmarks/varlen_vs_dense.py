@@ -5,12 +5,17 @@ Rows (median of triton.testing.do_bench, forward and forward+backward, causal an
   varlen   flash_attn_varlen_func on the packed batch; FLOPs of the real tokens, sum_i 4 L_i^2 d H
   padded   flash_attn_func on the batch padded to the longest sequence; the same real FLOPs
            (the padding is wasted work), so its TFLOP/s is directly comparable
-  dense    flash_attn_func on batch x 4096 with the same total tokens (the dense kernel's rate)
+  dense    flash_attn_func on batch x 4096 with the same total tokens (the dense kernel's rate; with
+           --equal-lengths, the same sequences as a dense batch)
 The issue's bar: varlen >= 0.9x dense, and faster than padded.
 With --bwd-tiles (backward configs in tune_triton.py's syntax, e.g. 32x64w4s3t1) it then times the varlen
 forward+backward under each of them, beside the dense rate measured above with the table's tiles.
+With --equal-lengths every sequence has the mean length of the log-uniform draw (same sequence count,
+about the same tokens) and "dense" is the same batch unpacked: what the varlen code path itself costs,
+without short sequences beside long ones and without the grid's programs for blocks past a sequence's
+end (the grid covers max_seqlen for every sequence, so with the log-uniform draw ~80% of them exit at once).
 
-    python benchmarks/varlen_vs_dense.py [--bwd-tiles 64x128w8s3t1,32x64w4s3t1]
+    python benchmarks/varlen_vs_dense.py [--bwd-tiles 64x128w8s3t1,32x64w4s3t1] [--equal-lengths]
 """
 
 from __future__ import annotations
@@ -41,11 +46,14 @@ def main() -> None:
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--bwd-tiles", default="", help="comma-separated backward configs to time varlen under")
     parser.add_argument("--skip-padded", action="store_true", help="leave out the (slow) padded rows")
+    parser.add_argument("--equal-lengths", action="store_true", help="every sequence of the draw's mean length")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     generator = torch.Generator().manual_seed(0)
     logs = torch.empty(args.sequences).uniform_(math.log(args.min_len), math.log(args.max_len), generator=generator)
     lengths = logs.exp().round().long().tolist()
+    if args.equal_lengths:
+        lengths = [round(sum(lengths) / len(lengths))] * len(lengths)
     total, longest = sum(lengths), max(lengths)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
     h, d = args.heads, args.headdim
@@ -59,14 +67,16 @@ def main() -> None:
     grad = torch.randn(total, h, d, device=device, dtype=dtype)
     padded = [randn(args.sequences, longest, h, d) for _ in range(3)]
     padded_grad = torch.randn(args.sequences, longest, h, d, device=device, dtype=dtype)
-    dense_batch = max(1, total // 4096)
-    dense = [randn(dense_batch, 4096, h, d) for _ in range(3)]
-    dense_grad = torch.randn(dense_batch, 4096, h, d, device=device, dtype=dtype)
+    # equal lengths: the dense batch is the same sequences unpacked, so the two differ only in the varlen code path
+    dense_len = lengths[0] if args.equal_lengths else 4096
+    dense_batch = len(lengths) if args.equal_lengths else max(1, total // 4096)
+    dense = [randn(dense_batch, dense_len, h, d) for _ in range(3)]
+    dense_grad = torch.randn(dense_batch, dense_len, h, d, device=device, dtype=dtype)
 
     for causal in (False, True):
         factor = 0.5 if causal else 1.0
         real_flops = sum(4 * n * n * d * h * factor for n in lengths)
-        dense_flops = 4 * dense_batch * 4096 * 4096 * d * h * factor
+        dense_flops = 4 * dense_batch * dense_len * dense_len * d * h * factor
         cases = {
             "varlen": (lambda: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal),
                        (q, k, v), grad, real_flops),
