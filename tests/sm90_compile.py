@@ -18,7 +18,9 @@ from flashtile.triton.bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_ke
 from flashtile.triton.decode import attention_decode_combine_kernel, attention_decode_kernel
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
+from flashtile.triton.configs import default_tiles
 from flashtile.triton.launch import DECODE_TILE_CONTIGUOUS, DECODE_TILE_PAGED
+from flashtile._validate import AttentionProblem
 
 FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out"}
 
@@ -37,6 +39,19 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
     ptx = kernel.asm["ptx"]
     return {"label": label, "wgmma": "wgmma" in ptx, "mma": "mma.sync" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
             "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared}
+
+
+def table_tiles(dtype: str, headdim: int):
+    """The tile table's sm_90 choice for a 4k-token call of this dtype and head dim."""
+    import torch
+
+    problem = AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=4096, seqlen_k=4096, headdim=headdim,
+                               headdim_v=headdim, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
+                                                                        "fp32": "float32"}[dtype]),
+                               device=torch.device("cpu"), softmax_scale=0.1, window_left=-1, window_right=-1,
+                               diagonal_offset=0, alignment="bottom-right", softcap=0.0, has_alibi=False,
+                               mask_kind=None)
+    return default_tiles(problem, (9, 0))
 
 
 def main():
@@ -67,13 +82,18 @@ def main():
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))
+        # the backward at the table's tiles for this dtype and head dim (the dQ kernel takes the transposed tile)
+        t = table_tiles(dtype, headdim)
+        m, n, warps, stages = t.bwd_block_m, t.bwd_block_n, t.bwd_num_warps, t.bwd_num_stages
         results.append(compile_variant(f"bwd-dkdv {tag_varlen}", attention_bwd_dkdv_kernel,
-                                       dict(flags, BLOCK_M=32, BLOCK_N=64, MASK_KIND=0, VARLEN=varlen), bwd_ptrs, 4, 3))
+                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen), bwd_ptrs,
+                                       warps, stages))
         results.append(compile_variant(f"bwd-dq {tag_varlen}", attention_bwd_dq_kernel,
-                                       dict(flags, BLOCK_M=64, BLOCK_N=32, MASK_KIND=0 if varlen else 2,
-                                            VARLEN=varlen), bwd_ptrs, 4, 3))
+                                       dict(flags, BLOCK_M=n, BLOCK_N=m, MASK_KIND=0 if varlen else 2,
+                                            VARLEN=varlen), bwd_ptrs, warps, stages))
         results.append(compile_variant(f"bwd-one-launch {tag_varlen}", attention_bwd_kernel,
-                                       dict(flags, BLOCK_M=32, BLOCK_N=64, MASK_KIND=0, VARLEN=varlen), bwd_ptrs, 4, 3))
+                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen), bwd_ptrs,
+                                       warps, stages))
         paged, split = dtype == "bf16", causal
         decode_tile = DECODE_TILE_PAGED if paged else DECODE_TILE_CONTIGUOUS
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
