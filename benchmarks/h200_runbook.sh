@@ -71,7 +71,7 @@ case $stage in
     timeout 90 python benchmarks/host_overhead.py > "$out/host-overhead.txt" 2>&1
     grep -E "^(floor|d |decode)" "$out/host-overhead.txt"
     timeout 300 python benchmarks/tune_decode.py --variants --cells 8x131072x16,8x131072x256,1x131072x16,8x32768x16 \
-      --tiles 128x4x2,128x4x3,128x8x2,64x4x2 --split-factors 1,2,3,4,6 > "$out/decode-tune.txt" 2>&1
+      --tiles 128x4x2,128x4x2p,128x4x3,128x4x3p --split-factors 1,2,3,4,6 > "$out/decode-tune.txt" 2>&1
     tail -30 "$out/decode-tune.txt" ;;
   varlen)
     timeout 100 python benchmarks/varlen_vs_dense.py --skip-padded \

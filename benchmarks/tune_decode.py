@@ -15,8 +15,9 @@ host time goes: benchmarks/host_overhead.py).
     python benchmarks/tune_decode.py --graphs
     python benchmarks/tune_decode.py --variants --cells 8x131072x16,8x131072x256 \
         --tiles 128x4x2,128x4x3,128x8x2,256x8x2 --split-factors 1,2,3,4,6,8
-(cells: batch x cache length x page size, 0 = contiguous; tiles: keys per block x warps x stages;
-split factors multiply the split count that two waves of programs would give.)
+(cells: batch x cache length x page size, 0 = contiguous; tiles: keys per block x warps x stages, a
+trailing p = one page lookup per key block where the page size is a multiple of it; split factors
+multiply the split count that two waves of programs would give.)
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ TILES = [launch.DecodeTile(n, w, s, waves=2) for n, w, s in
 SPLIT_FACTORS = (1, 2, 4)
 
 
+def parse_tile(text: str) -> launch.DecodeTile:
+    """BLOCK_NxWARPSxSTAGES, with a trailing 'p' for one page lookup per key block (pages a multiple of BLOCK_N)."""
+    page_per_block = text.endswith("p")
+    block_n, warps, stages = (int(x) for x in text.rstrip("p").split("x"))
+    return launch.DecodeTile(block_n, warps, stages, waves=2, page_per_block=page_per_block)
+
+
 def graph_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
@@ -62,11 +70,13 @@ def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=S
             continue
         results.append((us, geometry))
     results.sort(key=lambda item: item[0])
-    default_us = next(us for us, g in results if g == auto)
-    for us, geometry in results[:4] + [(default_us, auto)]:
+    default = [(us, g) for us, g in results if g == auto][:1]  # absent when the tiles swept exclude it
+    for us, geometry in results[:4] + default:
         mark = " (default)" if geometry == auto else ""
+        lookup = " one page lookup per block" if geometry.page_per_block else ""
         print(f"    kernel {us:8.1f} us {kv_bytes / us / 1e3:6.0f} GB/s  block_n {geometry.block_n:3d} "
-              f"warps {geometry.num_warps} stages {geometry.num_stages} splits {geometry.splits:3d}{mark}", flush=True)
+              f"warps {geometry.num_warps} stages {geometry.num_stages} splits {geometry.splits:3d}{lookup}{mark}",
+              flush=True)
 
 
 def main() -> None:
@@ -74,11 +84,12 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true", help="sweep decode tiles and split counts")
     parser.add_argument("--graphs", action="store_true", help="API and SDPA replayed from CUDA graphs; host profile")
     parser.add_argument("--cells", default="", help="BATCHxLENGTHxPAGE,... (default: the built-in list)")
-    parser.add_argument("--tiles", default="", help="BLOCK_NxWARPSxSTAGES,... for --variants")
+    parser.add_argument("--tiles", default="", help="BLOCK_NxWARPSxSTAGES[p],... for --variants (p: one page lookup "
+                                                    "per key block)")
     parser.add_argument("--split-factors", default="", help="comma-separated multiples of the two-wave split count")
     args = parser.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",") if c] or CELLS
-    tiles = [launch.DecodeTile(*(int(x) for x in t.split("x")), waves=2) for t in args.tiles.split(",") if t] or TILES
+    tiles = [parse_tile(t) for t in args.tiles.split(",") if t] or TILES
     factors = tuple(int(f) for f in args.split_factors.split(",") if f) or SPLIT_FACTORS
     device, dtype = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}; "

@@ -97,12 +97,16 @@ def main():
         paged, split = dtype == "bf16", causal
         decode_tile = DECODE_TILE_PAGED if paged else DECODE_TILE_CONTIGUOUS
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
-        results.append(compile_variant(
-            f"decode{' paged' if paged else ''}{' split' if split else ''} {tag}", attention_decode_kernel,
-            dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged, SPLIT=split),
-            {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32", "Slopes": "*fp32",
-             "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}, decode_tile.num_warps,
-            decode_tile.num_stages))
+        decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
+                       "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
+        # paged bf16 also with one page lookup per key block (the tune_decode.py variant)
+        for per_block in (False, True) if paged and headdim == 128 else (False,):
+            results.append(compile_variant(
+                f"decode{' paged' if paged else ''}{' per-block' if per_block else ''}{' split' if split else ''} {tag}",
+                attention_decode_kernel,
+                dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
+                     PAGE_PER_BLOCK=per_block, SPLIT=split),
+                decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
                                    dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16),
                                    {"PartOut": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))

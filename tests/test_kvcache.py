@@ -249,6 +249,41 @@ def test_unchecked_values_never_take_the_kernel_outside_the_cache():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("num_splits", (1, 3))
+@pytest.mark.parametrize("page_size", (128, 256))
+def test_one_page_lookup_per_key_block_reads_what_per_key_lookups_read(page_size, num_splits, seed):
+    """Pages a multiple of the decode block (a tune_decode.py variant, DecodeTile.page_per_block): bitwise the
+    per-key lookup's result on scattered pages, with a window and lengths that end inside a page, and the
+    oracle's result; unchecked block indices are clamped the same way."""
+    from flashtile._validate import prepare_kvcache
+    from flashtile.triton import launch
+
+    lengths, max_blocks = [3 * page_size - 5, page_size + 1], 4
+    num_blocks = len(lengths) * max_blocks + 1
+    k_cache = torch.randn(num_blocks, page_size, NHEADS_K, HEADDIM, dtype=torch.float64, device=DEVICE).float()
+    v_cache = torch.randn(num_blocks, page_size, NHEADS_K, HEADDIM_V, dtype=torch.float64, device=DEVICE).float()
+    table = torch.randperm(num_blocks, device=DEVICE)[:len(lengths) * max_blocks].view(len(lengths), max_blocks)
+    table = table.to(torch.int32)
+    table[1, 3] = 10_000  # past every sequence's pages: never read, and clamped if it were
+    q = torch.randn(len(lengths), 2, NHEADS, HEADDIM, dtype=torch.float64, device=DEVICE).float()
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    call = prepare_kvcache(q, k_cache, v_cache, None, None, cache_seqlens, table, softmax_scale=None, causal=True,
+                           window_size=(page_size + 7, 0), softcap=0.0, alibi_slopes=None, num_splits=num_splits,
+                           return_softmax_lse=True, check_values=False)
+    per_key = launch.DecodeTile(128, 4, 2, waves=2)
+    per_block = launch.DecodeTile(128, 4, 2, waves=2, page_per_block=True)
+    geometries = [launch.decode_geometry(call.problem, page_size, num_splits, tile) for tile in (per_key, per_block)]
+    assert [g.page_per_block for g in geometries] == [False, True]
+    (out_key, lse_key), (out_block, lse_block) = (launch.decode(call, num_splits, g) for g in geometries)
+    assert torch.equal(out_key, out_block) and torch.equal(lse_key, lse_block)
+    for b, length in enumerate(lengths):
+        keys, values = logical(k_cache, table, b, length), logical(v_cache, table, b, length)
+        want, want_lse = flash_attn_reference(q[b:b + 1], keys[None], values[None], causal=True,
+                                              window_size=(page_size + 7, 0))
+        torch.testing.assert_close(out_block[b:b + 1].double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse_block[b:b + 1].double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
 def test_num_splits_must_be_a_non_negative_int():
     args = _call()
     with pytest.raises(ValueError, match="num_splits must be an int >= 0"):

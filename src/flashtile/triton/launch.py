@@ -233,13 +233,16 @@ def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int 
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, and the
-    waves of programs the split count aims for."""
+    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, the waves of
+    programs the split count aims for, and (paged caches whose page size is a multiple of block_n) whether
+    each block's page is looked up once instead of once per key — a variant for benchmarks/tune_decode.py,
+    not yet measured on a GPU, so off in the defaults below."""
 
     block_n: int
     num_warps: int
     num_stages: int
     waves: int
+    page_per_block: bool = False
 
 
 # From benchmarks/tune_decode.py on the H200 (bf16, d 128, 32 query heads on 8 K/V heads; raw output in
@@ -273,12 +276,14 @@ class DecodeGeometry:
     blocks_per_split: int
     num_warps: int
     num_stages: int
+    page_per_block: bool  # a paged cache's page looked up once per key block (see DecodeTile)
 
     def describe(self) -> str:
         merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
+        lookup = "; one page lookup per key block" if self.page_per_block else ""
         return (f"attention_decode_kernel{merge}: {self.row_blocks} x {self.block_m} rows per (batch, K/V head) "
                 f"(query heads of a group x query tokens), {self.block_n}-key blocks, {self.splits} split(s) of "
-                f"up to {self.blocks_per_split} blocks, {self.num_warps} warps, {self.num_stages} stages")
+                f"up to {self.blocks_per_split} blocks, {self.num_warps} warps, {self.num_stages} stages{lookup}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -294,8 +299,9 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
     splits = num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
                                              _sm_count(problem.device), tile.waves)
     blocks_per_split = _cdiv(key_blocks, max(1, min(splits, key_blocks)))
+    page_per_block = tile.page_per_block and page_size is not None and page_size % tile.block_n == 0
     return DecodeGeometry(block_m, row_blocks, tile.block_n, _cdiv(key_blocks, blocks_per_split),
-                          blocks_per_split, tile.num_warps, tile.num_stages)
+                          blocks_per_split, tile.num_warps, tile.num_stages, page_per_block)
 
 
 def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
@@ -336,7 +342,8 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
         *_row_strides(out, 1),
         p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity, call.page_size or 1,
         k_cache.shape[0], blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out, window_left,
-        window_right, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1, num_warps=shape.num_warps,
+        window_right, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_PER_BLOCK=paged and shape.page_per_block,
+        SPLIT=splits > 1, num_warps=shape.num_warps,
         num_stages=shape.num_stages, **flags)
     if splits > 1:
         attention_decode_combine_kernel[(batch * p.nheads_k, rows)](
