@@ -13,9 +13,11 @@
 #                                             # paged-decode tiles and split counts where paged trails
 #   bash benchmarks/h200_runbook.sh varlen    # where the packed batch's backward loses to the dense one:
 #                                             # log-uniform vs equal lengths, backward tiles, kernel times
+#   bash benchmarks/h200_runbook.sh forward   # forward tiles where flashtile trails FlexAttention (d 64 with
+#                                             # FlexAttention's 128 x 128 / 4 warps; d 128 at 1k and 4k)
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host or varlen}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen or forward}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -79,5 +81,11 @@ case $stage in
     timeout 100 python benchmarks/varlen_vs_dense.py --skip-padded --equal-lengths \
       --bwd-tiles 64x128w8s3t1,32x64w4s3t1 > "$out/varlen-equal.txt" 2>&1
     grep -h "x dense\|varlen / dense" "$out/varlen-loguniform.txt" "$out/varlen-equal.txt" ;;
+  forward)
+    timeout 200 python benchmarks/tune_triton.py --headdim 64 --modes fwd --peers "" \
+      --configs 128x64w4s3t0,128x64w8s3t1,128x128w4s3t0,128x128w4s3t1,128x128w8s3t1 > "$out/forward-d64.txt" 2>&1
+    timeout 150 python benchmarks/tune_triton.py --headdim 128 --seqlens 1024,4096 --modes fwd --peers "" \
+      --configs 128x64w8s3t0,128x64w8s3t1,128x64w8s4t1,64x64w4s3t0,128x32w4s3t0 > "$out/forward-d128.txt" 2>&1
+    grep -h TFLOP "$out/forward-d64.txt" "$out/forward-d128.txt" | cut -c1-100 ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
