@@ -119,7 +119,8 @@ def main() -> None:
                 with flashtile.use_backend("triton", backward_schedule=schedule):
                     report(f"d {d}, {h} heads, 1k causal fwd+bwd, {launches} backward", step)
             with torch.no_grad():
-                report(f"d {d}, {h} heads, 1k causal forward alone", lambda: flashtile.flash_attn_func(q, k, v, causal=True))
+                report(f"d {d}, {h} heads, 1k causal forward alone",
+                       lambda: flashtile.flash_attn_func(q, k, v, causal=True))
         q = torch.randn(1, 1, 32, 128, device=device, dtype=dtype)
         k_cache, v_cache = (torch.randn(1, 4096, 8, 128, device=device, dtype=dtype) for _ in range(2))
         lengths = torch.full((1,), 4096, dtype=torch.int32, device=device)

@@ -46,9 +46,9 @@ def _forward_widths(flags: dict) -> dict:
     Where the q/k head dim is padded (HEADDIM < BLOCK_D) and the value tile is narrower than the key tile,
     triton 3.6 on an H200 computed P @ V from outside its shared-memory buffers (compute-sanitizer:
     out-of-range shared address; wrong outputs, sometimes an illegal-address fault; headdim 40 with
-    headdim_v 3, 8, 12, 16 or 24 at 128 x 64 tiles; BENCHMARKS.md, 2026-11-29). Padding the value tile to the
-    key tile's width was measured correct in every such case; the result is the same (the extra columns
-    are masked), the cost is a wider P @ V for those uncommon shapes.
+    headdim_v 3, 8, 12 or 24 at 128 x 64 tiles, and 16 at one pipeline stage; BENCHMARKS.md, 2026-11-29).
+    Padding the value tile to the key tile's width was measured correct in every such case; the result
+    is the same (the extra columns are masked), the cost is a wider P @ V for those uncommon shapes.
     """
     if flags["HEADDIM"] < flags["BLOCK_D"] and flags["BLOCK_DV"] < flags["BLOCK_D"]:
         return dict(flags, BLOCK_DV=flags["BLOCK_D"])
