@@ -53,17 +53,23 @@ def test_masks_and_unaligned_strides_keep_the_pointer_kernel(seed):
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def _table_problem(seqlen: int, headdim: int, dtype=torch.bfloat16):
+    """A dense self-attention problem as the tile table sees it (the device does not matter to it)."""
+    from flashtile._validate import AttentionProblem
+
+    return AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=seqlen, seqlen_k=seqlen, headdim=headdim,
+                            headdim_v=headdim, dtype=dtype, device=torch.device("cpu"), softmax_scale=0.1,
+                            window_left=-1, window_right=-1, diagonal_offset=0, alignment="bottom-right", softcap=0.0,
+                            has_alibi=False, mask_kind=None)
+
+
 def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     """sm_90, fp16/bf16, >= 4k keys, dense: schedule 1; shorter, other GPUs, fp32, packed: the pointer kernel."""
     import dataclasses
 
-    from flashtile._validate import AttentionProblem
     from flashtile.triton.configs import default_tiles
 
-    base = AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=8192, seqlen_k=8192, headdim=128, headdim_v=128,
-                            dtype=torch.bfloat16, device=torch.device("cpu"), softmax_scale=0.1, window_left=-1,
-                            window_right=-1, diagonal_offset=0, alignment="bottom-right", softcap=0.0,
-                            has_alibi=False, mask_kind=None)
+    base = _table_problem(8192, 128)
     assert default_tiles(base, (9, 0)).forward_schedule == 1
     assert default_tiles(dataclasses.replace(base, headdim=64, headdim_v=64), (9, 0)).forward_schedule == 1
     for other in (dataclasses.replace(base, seqlen_k=2048), dataclasses.replace(base, dtype=torch.float32),
@@ -76,23 +82,15 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
 def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_pay():
     """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128, one launch below 16k keys at d = 64;
     other GPUs and fp32 keep the two launches and their tiles."""
-    import dataclasses
-
-    from flashtile._validate import AttentionProblem
     from flashtile.triton.configs import default_tiles
 
-    d128 = AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=4096, seqlen_k=4096, headdim=128, headdim_v=128,
-                            dtype=torch.bfloat16, device=torch.device("cpu"), softmax_scale=0.1, window_left=-1,
-                            window_right=-1, diagonal_offset=0, alignment="bottom-right", softcap=0.0,
-                            has_alibi=False, mask_kind=None)
+    d128, d64 = _table_problem(4096, 128), _table_problem(4096, 64)
     tiles = default_tiles(d128, (9, 0))
     assert (tiles.backward_schedule, tiles.bwd_block_m, tiles.bwd_block_n, tiles.bwd_num_warps) == (1, 64, 128, 8)
-    assert default_tiles(dataclasses.replace(d128, seqlen_q=1024, seqlen_k=1024), (9, 0)).backward_schedule == 1
-    d64 = dataclasses.replace(d128, headdim=64, headdim_v=64)
+    assert default_tiles(_table_problem(1024, 128), (9, 0)).backward_schedule == 1
     assert default_tiles(d64, (9, 0)).backward_schedule == 1
-    assert default_tiles(dataclasses.replace(d64, seqlen_q=16384, seqlen_k=16384), (9, 0)).backward_schedule == 0
-    for other, capability in ((d128, (8, 0)), (dataclasses.replace(d128, dtype=torch.float32), (9, 0)),
-                              (d64, (8, 6))):
+    assert default_tiles(_table_problem(16384, 64), (9, 0)).backward_schedule == 0
+    for other, capability in ((d128, (8, 0)), (_table_problem(4096, 128, torch.float32), (9, 0)), (d64, (8, 6))):
         tiles = default_tiles(other, capability)
         assert tiles.backward_schedule == 0 and tiles.bwd_block_m == 32, (other, capability)
 

@@ -70,10 +70,11 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       without a band (+19-23%) but, made the default, failed the GPU suite's 30-run determinism
       test and a ragged GQA accuracy test under triton 3.6, so it is opt-in only.
     - Hopper backward for fp16/bf16, d = 128: 64 query rows against 128 keys, 8 warps, 3 stages, the
-      dK/dV and dQ programs in one launch: +2% to +10% fwd+bwd over 32 x 64 with 4 warps in two
-      launches in all six cells (3 stages; 2 stages had been within 3% of the old tile). d = 64: the
-      old 32 x 128 tile in one launch, +1% to +4% below 16k keys, -2% to +0% at 16k (two launches kept
-      there); 64 x 128 with 8 warps lost 11-16% at d = 64.
+      dK/dV and dQ programs in one launch: +4% to +10% fwd+bwd over 32 x 64 with 4 warps in two
+      launches at 1k non-causal, 4k and 16k; at 1k causal +2% or +24% against the old tile's two runs
+      (host noise); 2 stages had been within 3% of the old tile. d = 64: the old 32 x 128 tile in one
+      launch, +1% to +4% below 16k keys, -2% to +0% at 16k (two launches kept there); 64 x 128 with 8
+      warps lost 11-14% at d = 64.
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """

@@ -236,7 +236,9 @@ class DecodeTile:
     """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, the waves of
     programs the split count aims for, and (paged caches whose page size is a multiple of block_n) whether
     each block's page is looked up once instead of once per key — a variant for benchmarks/tune_decode.py,
-    not yet measured on a GPU, so off in the defaults below."""
+    not yet measured at these tiles, so off in the defaults below. (It was the kernel's only paged path
+    while key blocks were shrunk to fit a page; the per-key lookup replaced it so that 16-key pages no
+    longer meant 16-key blocks.)"""
 
     block_n: int
     num_warps: int
@@ -342,7 +344,7 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
         *_row_strides(out, 1),
         p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity, call.page_size or 1,
         k_cache.shape[0], blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out, window_left,
-        window_right, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_PER_BLOCK=paged and shape.page_per_block,
+        window_right, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_PER_BLOCK=shape.page_per_block,
         SPLIT=splits > 1, num_warps=shape.num_warps,
         num_stages=shape.num_stages, **flags)
     if splits > 1:
