@@ -5,9 +5,17 @@ many runs differ bitwise from the first, and the largest error against float64 o
 rows — for schedule 2 (TMA + warp specialization) and, as a control, schedule 1 (TMA only).
 
     python benchmarks/ws_determinism.py
+    python benchmarks/ws_determinism.py --stress 120   # reruns for 120 s
+
+--stress reruns the warp-specialized forward at its fastest tiles (d = 128, whole key blocks, no band) on two
+shapes for the given seconds and counts the runs that differ bitwise from the first; run several at once,
+or beside other GPU work, to look for a race that only shows under contention.
 """
 
 from __future__ import annotations
+
+import argparse
+import time
 
 import torch
 import triton
@@ -24,7 +32,41 @@ SHAPES = [  # batch, seqlen, nheads, nheads_k, headdim, causal
 ]
 
 
+WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_stages=2)  # the fastest measured
+
+
+def stress(seconds: float) -> None:
+    """Rerun the warp-specialized forward (128 x 128 tiles, where it needs no element mask) for `seconds`;
+    report the runs whose out or lse differ bitwise from the first, and by how much."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    cases = []
+    for batch, seqlen, nheads, nheads_k in ((2, 2048, 16, 4), (4, 1024, 16, 16)):
+        q, k, v = (torch.randn(batch, seqlen, heads, 128, device=device, dtype=torch.bfloat16)
+                   for heads in (nheads, nheads_k, nheads_k))
+        with flashtile.use_backend("triton", **WS_TILES):
+            cases.append(((q, k, v), flashtile.flash_attn_func(q, k, v, return_lse=True)))
+    runs = differing = 0
+    end = time.monotonic() + seconds
+    with flashtile.use_backend("triton", **WS_TILES):
+        while time.monotonic() < end:
+            for inputs, (out, lse) in cases:
+                got_out, got_lse = flashtile.flash_attn_func(*inputs, return_lse=True)
+                runs += 1
+                if not (torch.equal(got_out, out) and torch.equal(got_lse, lse)):
+                    differing += 1
+                    print(f"run {runs} differs: max |out - first| {(got_out.float() - out.float()).abs().max():.3e}, "
+                          f"max |lse - first| {(got_lse - lse).abs().max():.3e}", flush=True)
+    print(f"stress: {runs} runs of the warp-specialized forward {WS_TILES}, {differing} differ bitwise from the first",
+          flush=True)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stress", type=float, default=0.0, help="seconds of reruns of the table's choice")
+    if (seconds := parser.parse_args().stress) > 0:
+        stress(seconds)
+        return
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
     torch.manual_seed(0)

@@ -76,7 +76,8 @@ def main():
         for schedule, block_n, warps, stages in ((1, 64, 8, 3), (2, 128, 4, 2)):  # the table's choices
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}", attention_fwd_tma_kernel,
-                dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal),
+                dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal,
+                     LSE_BY_DESCRIPTOR=schedule == 2),
                 {k: v for k, v in fwd_ptrs.items() if k not in ("Mask", "CuSeqlensQ", "CuSeqlensK")}, warps,
                 stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,

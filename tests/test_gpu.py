@@ -71,6 +71,44 @@ def test_default_tiles_with_a_value_tile_narrower_than_the_key_tile(shape, causa
     assert_close_to_oracle("decode out", out, want, eager, dtype, seed)
 
 
+# The warp-specialized forward (opt-in) at its fastest tiles, where they need no element mask (d = 128, no band,
+# no ALiBi, whole 128-key blocks): GQA, several batch entries, softcap, a ragged query end (rows past it are
+# computed, never stored) — and lse, which triton 3.6 stored one tile too far for the second warpgroup.
+WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_stages=2)
+WARP_SPECIALIZED_SHAPES = {
+    "gqa-2k": ((2, 2048, 2048, 16, 4, 128, 128), {}),
+    "mha-1k-softcap": ((4, 1024, 1024, 8, 8, 128, 128), {"softcap": 20.0}),
+    "mqa-ragged-queries": ((1, 1000, 4096, 8, 1, 128, 128), {}),
+}
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("case", WARP_SPECIALIZED_SHAPES.values(), ids=WARP_SPECIALIZED_SHAPES.keys())
+def test_warp_specialized_forward_at_its_fastest_tiles(case, dtype, seed):
+    shape, kwargs = case
+    q, k, v = random_qkv(*shape, dtype, requires_grad=True)
+    with flashtile.use_backend("triton", **WS_TILES):
+        runs = [flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs) for _ in range(10)]
+    for run in runs[1:]:
+        assert torch.equal(run[0], runs[0][0]) and torch.equal(run[1], runs[0][1]), "a rerun differs bitwise"
+    assert_attention_follows_the_eager_rule(runs[0], flash_attn_reference(q, k, v, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
+                                            seed)
+
+
+def test_warp_specialized_forward_refuses_the_tiles_it_miscompiles():
+    q, k, v = random_qkv(1, 256, 256, 2, 2, 128, 128, torch.bfloat16)
+    for kwargs in ({"causal": True}, {"alibi_slopes": torch.ones(2, device=DEVICE)}):
+        with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=128):
+            with pytest.raises(ValueError, match="forward_schedule=2"):
+                flashtile.flash_attn_func(q, k, v, **kwargs)
+    with flashtile.use_backend("triton", forward_schedule=2, block_m=64, block_n=64, num_warps=4, num_stages=2):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)  # 64-row tiles were right (BENCHMARKS.md)
+    want, _ = flash_attn_reference(q, k, v, causal=True)
+    eager, _ = flash_attn_reference(q, k, v, causal=True, dtype=torch.bfloat16)
+    assert_close_to_oracle("out", out, want, eager, torch.bfloat16, 0)
+
+
 @pytest.mark.parametrize("backward_schedule", (0, 1), ids=("two-launch-bwd", "one-launch-bwd"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_triton_is_bitwise_deterministic_over_30_runs(causal, backward_schedule, seed):

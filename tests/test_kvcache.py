@@ -252,8 +252,8 @@ def test_unchecked_values_never_take_the_kernel_outside_the_cache():
 @pytest.mark.parametrize("num_splits", (1, 3))
 @pytest.mark.parametrize("page_size", (128, 256))
 def test_one_page_lookup_per_key_block_reads_what_per_key_lookups_read(page_size, num_splits, seed):
-    """Pages a multiple of the decode block (a tune_decode.py variant, DecodeTile.page_per_block): bitwise the
-    per-key lookup's result on scattered pages, with a window and lengths that end inside a page, and the
+    """Pages a multiple of the decode block (DecodeTile.page_per_block, the default for such pages): bitwise
+    the per-key lookup's result on scattered pages, with a window and lengths that end inside a page, and the
     oracle's result; unchecked block indices are clamped the same way."""
     from flashtile._validate import prepare_kvcache
     from flashtile.triton import launch
@@ -301,3 +301,14 @@ def test_explain_names_the_decode_schedule(backend):
     assert expected in text, text
     bad = flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=200, block_table=table)
     assert str(bad).startswith("this call would raise ValueError"), bad
+
+
+def test_default_decode_tile_per_cache_layout():
+    """Contiguous caches, pages smaller than a key block (per-key page lookup) and pages a multiple of it (one
+    lookup per block) each get their own measured tile."""
+    from flashtile.triton import launch
+
+    assert launch.default_decode_tile(None) is launch.DECODE_TILE_CONTIGUOUS
+    assert launch.default_decode_tile(16) is launch.DECODE_TILE_PAGED
+    assert launch.default_decode_tile(256) is launch.DECODE_TILE_PAGED_PER_BLOCK
+    assert launch.DECODE_TILE_PAGED_PER_BLOCK.page_per_block and not launch.DECODE_TILE_PAGED.page_per_block

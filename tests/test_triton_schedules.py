@@ -64,7 +64,8 @@ def _table_problem(seqlen: int, headdim: int, dtype=torch.bfloat16):
 
 
 def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
-    """sm_90, fp16/bf16, >= 4k keys, dense: schedule 1; shorter, other GPUs, fp32, packed: the pointer kernel."""
+    """sm_90, fp16/bf16, >= 4k keys, dense: schedule 1; shorter, other GPUs, fp32, packed: the pointer kernel.
+    The warp-specialized schedule 2 is never the table's choice (opt-in: a rare race under triton 3.6)."""
     import dataclasses
 
     from flashtile.triton.configs import default_tiles
@@ -76,12 +77,45 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
                   dataclasses.replace(base, varlen=True)):
         assert default_tiles(other, (9, 0)).forward_schedule == 0, other
     assert default_tiles(base, (8, 0)).forward_schedule == 0
-    assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))  # opt-in only
+    assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))
+
+
+def test_warp_specialized_forward_refuses_tiles_that_need_the_query_positions():
+    """Under triton 3.6 the warp-specialized 128-row tile computed wrong scores wherever the element mask or
+    ALiBi applies; forcing it there raises (64-row tiles, and the interpreter's, are allowed)."""
+    q, k, v = random_qkv(1, 40, 40, 2, 2, 16, 16, torch.float16)
+    for kwargs in ({"causal": True}, {"window_size": (8, 8)}, {"alibi_slopes": torch.ones(2, device=DEVICE)}):
+        with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=32):
+            with pytest.raises(ValueError, match=r"forward_schedule=2 .*block_m=128"):
+                flashtile.flash_attn_func(q, k, v, **kwargs)
+    with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=16):
+        with pytest.raises(ValueError, match="seqlen_k 40 not a multiple of block_n 16"):
+            flashtile.flash_attn_func(q, k, v)
+    q, k, v = random_qkv(1, 37, 32, 2, 2, 16, 16, torch.float16)
+    with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=16):
+        with pytest.raises(ValueError, match="seqlen_q 37 not a multiple of 4"):
+            flashtile.flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("seqlen_q", (44, 45), ids=("lse-by-descriptor", "lse-by-pointer"))
+def test_warp_specialized_schedule_stores_lse_either_way(seqlen_q, seed):
+    """Schedule 2 stores lse through a 1-D descriptor where seqlen_q % 4 == 0 (the triton 3.6 workaround in
+    fwd_tma.py), by pointer elsewhere: both must write every row's lse, and no other row's."""
+    dtype = torch.float16
+    q, k, v = random_qkv(2, seqlen_q, 48, 4, 2, 16, 16, dtype)
+    with flashtile.use_backend("triton", forward_schedule=2, block_m=16, block_n=16):
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True)
+    ref_out, ref_lse = flash_attn_reference(q, k, v)
+    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype)
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
 
 
 def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_pay():
     """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128, one launch below 16k keys at d = 64;
-    other GPUs and fp32 keep the two launches and their tiles."""
+    other GPUs and fp32 keep the two launches and their tiles; packed batches at d = 128 take two launches."""
+    import dataclasses
+
     from flashtile.triton.configs import default_tiles
 
     d128, d64 = _table_problem(4096, 128), _table_problem(4096, 64)
@@ -90,6 +124,8 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
     assert default_tiles(_table_problem(1024, 128), (9, 0)).backward_schedule == 1
     assert default_tiles(d64, (9, 0)).backward_schedule == 1
     assert default_tiles(_table_problem(16384, 64), (9, 0)).backward_schedule == 0
+    packed = default_tiles(dataclasses.replace(d128, varlen=True), (9, 0))  # packed batches: two launches
+    assert (packed.backward_schedule, packed.bwd_block_m, packed.bwd_block_n) == (0, 64, 128)
     for other, capability in ((d128, (8, 0)), (_table_problem(4096, 128, torch.float32), (9, 0)), (d64, (8, 6))):
         tiles = default_tiles(other, capability)
         assert tiles.backward_schedule == 0 and tiles.bwd_block_m == 32, (other, capability)

@@ -26,7 +26,8 @@ derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are const
 import triton
 import triton.language as tl
 
-from .common import alibi_slope, key_block_bounds, program_heads, query_block_bounds, scores, sequence_bounds
+from .common import (alibi_slope, key_block_bounds, load_tile, program_heads, query_block_bounds, scores,
+                     sequence_bounds)
 
 
 @triton.jit
@@ -52,12 +53,17 @@ def attention_bwd_preprocess_kernel(Out, dOut, dLse, Delta,
 
 
 @triton.jit
-def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q):
-    """Base-2 lse (+inf for rows that saw no key, so exp2(s - lse) = 0 there) and delta of rows offs_m."""
-    row_ok = offs_m < seqlen_q
-    lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))
+def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, CHECK_ROWS: tl.constexpr):
+    """Base-2 lse (+inf for rows that saw no key, so exp2(s - lse) = 0 there) and delta of rows offs_m
+    (CHECK_ROWS false: the caller knows every row lies inside the sequence)."""
+    if CHECK_ROWS:
+        row_ok = offs_m < seqlen_q
+        lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+    else:
+        lse = tl.load(Lse + row_base + offs_m)
+        delta = tl.load(Delta + row_base + offs_m)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # to base 2
-    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
     return lse2, delta
 
 
@@ -65,19 +71,21 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q):
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
                  stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale,
                  softcap_out, slope, diagonal_offset, window_left, window_right,
-                 HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                 HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Tiles are transposed (keys as rows, queries as columns) so that P^T and dS^T come out of the
-    # matmuls directly and only register tiles of Q and dO get transposed.
+    # matmuls directly and only register tiles of Q and dO get transposed. MASKED ranges may run
+    # past the queries; the interior range never does, so its loads go unmasked.
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seqlen_q
-        q_t = tl.load(q_base + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
-                      mask=row_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
-        do = tl.load(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-        lse2, delta = _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q)
+        q_t = load_tile(q_base + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
+                        row_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
+        do = load_tile(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
+                       row_ok[:, None], offs_dv[None, :] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
+        lse2, delta = _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, MASKED)
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
         s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, score_scale, softcap_scale,
                           softcap_out, slope, diagonal_offset, window_left, window_right,
@@ -128,18 +136,18 @@ def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, 
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
-                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                              HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
+                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
-                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
-                              HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
+                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
-                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                              HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                              window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
+                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     tl.store(dK + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(dK.dtype.element_ty), mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM))
     tl.store(dV + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
@@ -220,18 +228,20 @@ def attention_bwd_dkdv_kernel(
 def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                diagonal_offset, window_left, window_right,
-               HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # MASKED ranges may run past the keys; the interior range never does, so its loads go unmasked
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
         cols = offs_n[None, :].to(tl.int64)
         # K and V are read transposed straight from memory (D, BLOCK_N): no in-register transpose
-        k_t = tl.load(k_base + cols * stride_kn + offs_d[:, None],
-                      mask=key_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
-        v_t = tl.load(v_base + cols * stride_vn + offs_dv[:, None],
-                      mask=key_ok[None, :] & (offs_dv[:, None] < HEADDIM_V), other=0.0)
+        k_t = load_tile(k_base + cols * stride_kn + offs_d[:, None],
+                        key_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
+        v_t = load_tile(v_base + cols * stride_vn + offs_dv[:, None],
+                        key_ok[None, :], offs_dv[:, None] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
         s, t = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right,
@@ -267,7 +277,8 @@ def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
     do = tl.load(dOut + h * stride_doh + rows * stride_dom + offs_dv[None, :],
                  mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-    lse2, delta = _load_row_stats(Lse, Delta, b * stride_lse_b + h * stride_lse_h + q_start, offs_m, seqlen_q)
+    lse2, delta = _load_row_stats(Lse, Delta, b * stride_lse_b + h * stride_lse_h + q_start, offs_m, seqlen_q,
+                                   True)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
@@ -278,15 +289,18 @@ def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
-                    HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                    HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                    DOT_PRECISION)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
-                    HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                    HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                    MASK_KIND, DOT_PRECISION)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
-                    HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                    HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                    DOT_PRECISION)
     tl.store(dQ + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))
 

@@ -39,6 +39,27 @@ def program_heads(pid_bh, nheads, group_size):
 
 
 @triton.jit
+def load_tile(ptrs, in_sequence, in_width, CHECK_SEQUENCE: tl.constexpr, CHECK_WIDTH: tl.constexpr):
+    """Load a 2-D tile, zero-filled only along the axes that may leave the tensor.
+
+    in_sequence / in_width are boolean tensors that broadcast to ptrs' shape: the tile's positions
+    inside the sequence and inside the head dim. A mask costs predicates on every element of every
+    load even where it is all true, and the compiler cannot prove that for a tile of a runtime range;
+    so interior tiles of a loop (CHECK_SEQUENCE false: the caller knows they lie inside the sequence)
+    and unpadded head dims (CHECK_WIDTH false: BLOCK_D == HEADDIM) load unmasked.
+    """
+    if CHECK_SEQUENCE and CHECK_WIDTH:
+        tile = tl.load(ptrs, mask=in_sequence & in_width, other=0.0)
+    elif CHECK_SEQUENCE:
+        tile = tl.load(ptrs, mask=in_sequence, other=0.0)
+    elif CHECK_WIDTH:
+        tile = tl.load(ptrs, mask=in_width, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI: tl.constexpr):
     """The (base-2 scaled) ALiBi slope of head h in batch b, or 0 without ALiBi."""
     slope = 0.0

@@ -45,7 +45,8 @@ FORWARD_SCHEDULES = {
     0: "attention_fwd_kernel, pointer loads",
     1: "attention_fwd_tma_kernel, TMA descriptors, when strides are 16-byte aligned and there is no attn_mask",
     2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no "
-        "attn_mask (experimental: not bitwise reproducible on an H200 with triton 3.6)"),
+        "attn_mask (opt-in: one rerun in ~6 x 10^5 differed bitwise on an H200 under triton 3.6; 128-row tiles "
+        "refuse a band, ALiBi or a ragged key end, which triton 3.6 miscompiles)"),
 }
 
 BACKWARD_SCHEDULES = {
@@ -66,9 +67,12 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     Measured on the H200 (BENCHMARKS.md, 2026-11-29 sweeps, bf16, d = 64 and 128, N = 1k..16k):
     - Hopper forward for fp16/bf16: TMA loads with 8 warps changed the forward by -2% to +8% from
       N = 4k keys (a gain in 6 of 8 cells); at N = 1k they lost 4-15% (presumably the in-kernel
-      descriptor set-up of every short program; not verified). The warp-specialized loop (schedule 2) was fastest at d = 128
-      without a band (+19-23%) but, made the default, failed the GPU suite's 30-run determinism
-      test and a ragged GQA accuracy test under triton 3.6, so it is opt-in only.
+      descriptor set-up of every short program; not verified). The warp-specialized loop (schedule 2,
+      128 x 128, 4 warps, 2 stages) is the fastest forward measured at d = 128 without a band (+14-16%
+      over this table, two grids of 2026-11-29), but it stays opt-in: under triton 3.6 one of 6 x 10^5
+      reruns beside the GPU suite on 14 workers returned a different out (an unexplained race); and its
+      128-row tile is miscompiled wherever the query positions enter the scores or the lse store
+      (fwd_tma.py works around the store; launch.forward refuses the masked / ALiBi cases).
     - Hopper backward for fp16/bf16, d = 128: 64 query rows against 128 keys, 8 warps, 3 stages, the
       dK/dV and dQ programs in one launch: +4% to +10% fwd+bwd over 32 x 64 with 4 warps in two
       launches at 1k non-causal, 4k and 16k; at 1k causal +2% or +24% against the old tile's two runs
@@ -92,6 +96,9 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         return TritonTiles(128, 64, 4, 3, 32, 128, 4, 3, backward_schedule=int(one_launch))
     if width <= 128:
         if hopper_16bit:
-            return TritonTiles(128, 64, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule, backward_schedule=1)
+            # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
+            # 0.95x / 0.87x, non-causal / causal; with equal lengths, causal 0.91x against 0.81x; not understood)
+            return TritonTiles(128, 64, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,
+                               backward_schedule=0 if problem.varlen else 1)
         return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=forward_schedule)
     return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)

@@ -23,29 +23,31 @@ Limitations: no dropout; fp64 is left to the torch backend.
 import triton
 import triton.language as tl
 
-from .common import (alibi_slope, finish_rows, key_block_bounds, online_softmax_step, program_heads, scores,
-                     sequence_bounds)
+from .common import (alibi_slope, finish_rows, key_block_bounds, load_tile, online_softmax_step, program_heads,
+                     scores, sequence_bounds)
 
 
 @triton.jit
 def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                     diagonal_offset, window_left, window_right,
-                    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # MASKED ranges may run past the keys; the interior range never does, so its loads go unmasked
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
-        k_t = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
-                      mask=key_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
+        k_t = load_tile(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
+                        key_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right,
                       mask_rows + offs_n[None, :] * stride_mask_n,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
-                    mask=key_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+        v = load_tile(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
+                      key_ok[:, None], offs_dv[None, :] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, MASK_KIND, DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -80,18 +82,18 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                                    window_right, HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                                    window_right, HEADDIM, HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT,
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                                    window_right, HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
 
     out, lse = finish_rows(acc, l_i, m_i)
     tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],

@@ -57,6 +57,7 @@ def attention_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr,
+    LSE_BY_DESCRIPTOR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -102,4 +103,15 @@ def attention_fwd_tma_kernel(
 
     out, lse = finish_rows(acc, l_i, m_i)
     o_desc.store([m0, 0], out.to(Out.dtype.element_ty))
-    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    if LSE_BY_DESCRIPTOR:
+        # Workaround (triton 3.6 and 3.9, sm_90): when the warp-specialization pass splits a 128-row tile
+        # between two consumer warpgroups, the second one's offs_m comes out offset twice (m0 + 128 + i
+        # instead of m0 + 64 + i), so a pointer store would write its lse rows one tile too far. The
+        # descriptor store takes its row from m0, which the pass offsets once, as for out. TMA needs each
+        # (batch, head)'s lse row 16-byte aligned, so the launcher asks for it only where seqlen_q % 4 == 0
+        # (and refuses 128-row warp-specialized tiles elsewhere).
+        lse_desc = tl.make_tensor_descriptor(Lse + pid_bh.to(tl.int64) * seqlen_q, shape=[seqlen_q], strides=[1],
+                                             block_shape=[BLOCK_M])
+        lse_desc.store([m0], lse)
+    else:
+        tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)

@@ -105,6 +105,31 @@ def _tma_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _warp_specialized_lse_by_descriptor(problem: AttentionProblem, tiles: TritonTiles) -> bool:
+    """For the TMA forward: whether it stores lse through a descriptor (the warp-specialized schedule where
+    seqlen_q % 4 == 0, so each lse row is 16-byte aligned), after refusing what triton 3.6 miscompiles there.
+
+    The warp-specialization pass offsets the second consumer warpgroup's query positions twice when it
+    splits a tile of more than 64 rows (fwd_tma.py), so such tiles are wrong wherever the positions enter
+    the scores (a band, ALiBi, the mask of a ragged key end; H200, benchmarks/ws_determinism.py: errors
+    ~0.15, alike in every run) or the lse store (unless it goes through a descriptor): raise there.
+    """
+    p = problem
+    lse_by_descriptor = tiles.forward_schedule == 2 and p.seqlen_q % 4 == 0
+    if tiles.forward_schedule != 2 or tiles.block_m <= 64:
+        return lse_by_descriptor
+    unsafe = [reason for reason, applies in (
+        ("a causal/window band", p.is_banded), ("ALiBi", p.has_alibi),
+        (f"seqlen_k {p.seqlen_k} not a multiple of block_n {tiles.block_n}", p.seqlen_k % tiles.block_n != 0),
+        (f"seqlen_q {p.seqlen_q} not a multiple of 4", not lse_by_descriptor)) if applies]
+    if unsafe:
+        raise ValueError(f"forward_schedule=2 (warp-specialized) with block_m={tiles.block_m} computes wrong scores "
+                         f"under triton 3.6 where tiles need the element mask or ALiBi, and wrong lse rows unless "
+                         f"seqlen_q is a multiple of 4 (here: {', '.join(unsafe)}); use block_m=64 or "
+                         f"forward_schedule=1")
+    return lse_by_descriptor
+
+
 def _packing(q, k, cu_seqlens_q, cu_seqlens_k):
     """Kernel arguments for packed sequences: (CuSeqlensQ, CuSeqlensK, VARLEN, batch strides of q and k).
 
@@ -148,6 +173,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     flags = _forward_widths(flags)
     grid = (max(1, _cdiv(p.seqlen_q, tiles.block_m)), p.batch * p.nheads)
     if tiles.forward_schedule > 0 and not varlen and _tma_ready((q, k, v, out), attn_mask):
+        mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
+        lse_by_descriptor = _warp_specialized_lse_by_descriptor(p, tiles)
         if not interpreting():
             triton.set_allocator(_tma_scratch)
         del flags["MASK_KIND"]
@@ -155,8 +182,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             q, k, v, out, lse, slopes,
             *_row_strides(q, 1), *_row_strides(k, 1), *_row_strides(v, 1), *_row_strides(out, 1), slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            WARP_SPECIALIZE=tiles.forward_schedule == 2,
-            MASK_ALL=problem.is_banded or p.seqlen_k % tiles.block_n != 0, **flags)
+            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all,
+            LSE_BY_DESCRIPTOR=lse_by_descriptor, **flags)
         return out, lse
     attention_fwd_kernel[grid](
         q, k, v, out, lse, slopes, mask, cu_q, cu_k,
@@ -235,10 +262,8 @@ def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int 
 class DecodeTile:
     """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, the waves of
     programs the split count aims for, and (paged caches whose page size is a multiple of block_n) whether
-    each block's page is looked up once instead of once per key — a variant for benchmarks/tune_decode.py,
-    not yet measured at these tiles, so off in the defaults below. (It was the kernel's only paged path
-    while key blocks were shrunk to fit a page; the per-key lookup replaced it so that 16-key pages no
-    longer meant 16-key blocks.)"""
+    each block's page is looked up once instead of once per key (the default for such pages, below; the
+    per-key lookup serves pages smaller than a block, so that 16-key pages do not mean 16-key blocks)."""
 
     block_n: int
     num_warps: int
@@ -253,10 +278,22 @@ class DecodeTile:
 # splits 3% faster than 5 at 8 x 128k). A paged cache, whose every key looks up its page: 128-key blocks
 # (fewer lookups per byte) and about eight waves (at 8 x 128k, 20 splits of 128-key blocks took 1,065 us,
 # 10 splits 1,194 us; the 17 splits that eight waves give there took 1,154 us in a later run, not yet
-# understood). Block size does not depend on the page size: pages of 16 keys are read through
-# the same per-key lookup as pages of 256.
+# understood). Pages of 16 keys are read through that per-key lookup. Pages that are a multiple of the
+# 128-key block look their page up once per block, with about two waves: in graph replay (session 5,
+# BENCHMARKS.md) 1,021 us at 8 x 128k page 256 (per-key lookup at its best split: 1,093; contiguous
+# 978), 133 us at 1 x 128k (140; contiguous 130), 262 us at 8 x 32k (291).
 DECODE_TILE_CONTIGUOUS = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
 DECODE_TILE_PAGED = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=8)
+DECODE_TILE_PAGED_PER_BLOCK = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=2, page_per_block=True)
+
+
+def default_decode_tile(page_size: int | None) -> DecodeTile:
+    """The decode tile for a contiguous cache (page_size None) or a paged one."""
+    if page_size is None:
+        return DECODE_TILE_CONTIGUOUS
+    if page_size % DECODE_TILE_PAGED_PER_BLOCK.block_n == 0:
+        return DECODE_TILE_PAGED_PER_BLOCK
+    return DECODE_TILE_PAGED
 
 
 @functools.lru_cache(maxsize=None)
@@ -293,7 +330,7 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
                     tile: DecodeTile | None = None) -> DecodeGeometry:
     """The launch shape for a KV-cache problem (problem.seqlen_k is the cache capacity); tile overrides
     the layout's default. Cached: a decode loop asks for the same geometry at every step."""
-    tile = tile or (DECODE_TILE_CONTIGUOUS if page_size is None else DECODE_TILE_PAGED)
+    tile = tile or default_decode_tile(page_size)
     rows = problem.group_size * problem.seqlen_q
     block_m = min(64, max(16, _next_power_of_2(rows)))
     row_blocks = _cdiv(rows, block_m)
