@@ -96,17 +96,14 @@ def test_warp_specialized_forward_at_its_fastest_tiles(case, dtype, seed):
                                             seed)
 
 
-def test_warp_specialized_forward_refuses_the_tiles_it_miscompiles():
+def test_warp_specialized_forward_with_64_row_tiles_keeps_the_band(seed):
+    """128-row tiles refuse a band (test_triton_schedules.py); 64-row tiles, one consumer warpgroup, were right."""
     q, k, v = random_qkv(1, 256, 256, 2, 2, 128, 128, torch.bfloat16)
-    for kwargs in ({"causal": True}, {"alibi_slopes": torch.ones(2, device=DEVICE)}):
-        with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=128):
-            with pytest.raises(ValueError, match="forward_schedule=2"):
-                flashtile.flash_attn_func(q, k, v, **kwargs)
     with flashtile.use_backend("triton", forward_schedule=2, block_m=64, block_n=64, num_warps=4, num_stages=2):
         out = flashtile.flash_attn_func(q, k, v, causal=True)  # 64-row tiles were right (BENCHMARKS.md)
     want, _ = flash_attn_reference(q, k, v, causal=True)
     eager, _ = flash_attn_reference(q, k, v, causal=True, dtype=torch.bfloat16)
-    assert_close_to_oracle("out", out, want, eager, torch.bfloat16, 0)
+    assert_close_to_oracle("out", out, want, eager, torch.bfloat16, seed)
 
 
 @pytest.mark.parametrize("backward_schedule", (0, 1), ids=("two-launch-bwd", "one-launch-bwd"))

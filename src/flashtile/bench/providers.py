@@ -90,7 +90,11 @@ class FlashtileProvider(Provider):
 
     io_model = "tiled"
     # named schedules: the tile settings each forces
-    SCHEDULES = {"tma": {"forward_schedule": 1}, "tma-ws": {"forward_schedule": 2}, "bwd0": {"backward_schedule": 0},
+    # tma-ws at the warp-specialized forward's fastest tiles (with the table's 8 warps triton 3.6 would not
+    # specialize); they refuse a causal band or lengths that are not multiples of 128 (launch.py says why)
+    SCHEDULES = {"tma": {"forward_schedule": 1},
+                 "tma-ws": {"forward_schedule": 2, "block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2},
+                 "bwd0": {"backward_schedule": 0},
                  "bwd1": {"backward_schedule": 1}}
 
     def __init__(self, backend: str, schedule: str | None = None):

@@ -46,7 +46,7 @@ FORWARD_SCHEDULES = {
     1: "attention_fwd_tma_kernel, TMA descriptors, when strides are 16-byte aligned and there is no attn_mask",
     2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no "
         "attn_mask (opt-in: one rerun in ~6 x 10^5 differed bitwise on an H200 under triton 3.6; 128-row tiles "
-        "refuse a band, ALiBi or a ragged key end, which triton 3.6 miscompiles)"),
+        "refuse a band, ALiBi, a ragged key end or seqlen_q % 4 != 0, which triton 3.6 miscompiles)"),
 }
 
 BACKWARD_SCHEDULES = {
@@ -97,7 +97,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     if width <= 128:
         if hopper_16bit:
             # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
-            # 0.95x / 0.87x, non-causal / causal; with equal lengths, causal 0.91x against 0.81x; not understood)
+            # 0.95x / 0.87x, non-causal / causal; with equal lengths, causal 0.91x against 0.81x; in the SASS
+            # the packed causal one-launch kernel's dK/dV loop spills 2.5x more than the dense one's: a lead)
             return TritonTiles(128, 64, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,
                                backward_schedule=0 if problem.varlen else 1)
         return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=forward_schedule)
