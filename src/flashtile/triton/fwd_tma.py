@@ -10,7 +10,11 @@ fwd.py. With WARP_SPECIALIZE the compiler splits one key loop into a producer wa
 copies and consumer warpgroups doing the matmuls and the softmax (`tl.range(..., warp_specialize=True)`);
 its pass rejects a kernel with several loops (triton 3.9, compiled for sm_90: "'scf.for' op operation
 destroyed but still has uses"), so that variant runs a single loop over every visible block and applies
-the element mask on every tile when the problem has a band or a ragged key end (MASK_ALL).
+the element mask on every tile when the problem has a band or a ragged key end (MASK_ALL). Splitting a
+tile of more than 64 rows between two consumer warpgroups, triton 3.6's pass offsets the second one's
+query positions twice: its masks, ALiBi and a pointer lse store would use rows one tile too far. So
+that variant stores lse by descriptor (LSE_BY_DESCRIPTOR) and the launcher refuses such tiles where
+the positions enter the scores (launch._warp_specialized_lse_by_descriptor); 64-row tiles are exact.
 
 Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
