@@ -20,7 +20,7 @@ from flashtile.autograd import attention
 from flashtile.reference import attention_reference, flash_attn_reference
 
 from conftest import (DEVICE, LOW_PRECISION, assert_attention_follows_the_eager_rule, assert_close_to_oracle,
-                      assert_exact_to_oracle, forced_tiles, random_qkv, skip_unsupported)
+                      assert_exact_to_oracle, forced_tiles, random_qkv, rounding_floor, skip_unsupported)
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v)
 # small enough for Triton's CPU interpreter, still several 16-wide tiles in every direction
@@ -135,7 +135,12 @@ def test_huge_scores_do_not_overflow(backend, dtype, seed):
     assert ref_lse.abs().max() > 500, "the test needs huge scores"
     assert out.isfinite().all() and lse.isfinite().all()
     eager_out, eager_lse = flash_attn_reference(q, k, v, softmax_scale=1.0, dtype=dtype)
-    tol_floor = 1e-9 if dtype == torch.float64 else None
+    # Beyond the usual floor: the Triton kernels round s * log2(e) once more than the eager natural exp, which
+    # at |s| ~ 1e3 moves a weight by up to ~|s| eps (computed in fp32 for every input dtype but fp64); where two
+    # keys nearly tie, the output moves by |v| times that (seen: 4x the eager error in 2.5% of seeds).
+    compute_eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    tol_floor = ((1e-9 if dtype == torch.float64 else rounding_floor(dtype, ref_out))
+                 + ref_lse.abs().max().item() * compute_eps * v.abs().max().item())
     assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed, floor=tol_floor)
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse.float(), torch.float32, seed)
     with forced_tiles(backend, 16, 16):
