@@ -19,7 +19,7 @@ from flashtile.triton.decode import attention_decode_combine_kernel, attention_d
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 from flashtile.triton.configs import default_tiles
-from flashtile.triton.launch import DECODE_TILE_CONTIGUOUS, DECODE_TILE_PAGED
+from flashtile.triton.launch import default_decode_tile
 from flashtile._validate import AttentionProblem
 
 FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out"}
@@ -73,11 +73,14 @@ def main():
         results.append(compile_variant(f"fwd {tag_varlen}", attention_fwd_kernel,
                                        dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0,
                                             VARLEN=varlen), fwd_ptrs, 8, 3))
-        for schedule, block_n, warps, stages in ((1, 64, 8, 3), (2, 128, 4, 2)):  # the table's choices
+        # schedule 1 as the table runs it; schedule 2 (opt-in) at its 128-row tiles only where the launcher lets
+        # them run: no band, no ALiBi, no element mask, lse by descriptor
+        unmasked = dict(flags, HAS_RIGHT=False, HAS_ALIBI=False)
+        for schedule, block_n, warps, stages, schedule_flags in ((1, 64, 8, 3, flags), (2, 128, 4, 2, unmasked)):
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}", attention_fwd_tma_kernel,
-                dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal,
-                     LSE_BY_DESCRIPTOR=schedule == 2),
+                dict(schedule_flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2,
+                     MASK_ALL=causal and schedule == 1, LSE_BY_DESCRIPTOR=schedule == 2),
                 {k: v for k, v in fwd_ptrs.items() if k not in ("Mask", "CuSeqlensQ", "CuSeqlensK")}, warps,
                 stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
@@ -96,12 +99,12 @@ def main():
                                        dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen), bwd_ptrs,
                                        warps, stages))
         paged, split = dtype == "bf16", causal
-        decode_tile = DECODE_TILE_PAGED if paged else DECODE_TILE_CONTIGUOUS
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
                        "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
-        # paged bf16 also with one page lookup per key block (the tune_decode.py variant)
+        # paged bf16 with both page lookups (per key for small pages, per block for pages a multiple of it)
         for per_block in (False, True) if paged and headdim == 128 else (False,):
+            decode_tile = default_decode_tile((256 if per_block else 16) if paged else None)
             results.append(compile_variant(
                 f"decode{' paged' if paged else ''}{' per-block' if per_block else ''}{' split' if split else ''} {tag}",
                 attention_decode_kernel,

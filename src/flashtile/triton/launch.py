@@ -180,7 +180,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         del flags["MASK_KIND"]
         attention_fwd_tma_kernel[grid](
             q, k, v, out, lse, slopes,
-            *_row_strides(q, 1), *_row_strides(k, 1), *_row_strides(v, 1), *_row_strides(out, 1), slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+            *_row_strides(q, 1), *_row_strides(k, 1), *_row_strides(v, 1), *_row_strides(out, 1), slopes_stride,
+            p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all,
             LSE_BY_DESCRIPTOR=lse_by_descriptor, **flags)
