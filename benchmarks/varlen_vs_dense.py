@@ -10,6 +10,9 @@ Rows (median of triton.testing.do_bench, forward and forward+backward, causal an
 The issue's bar: varlen >= 0.9x dense, and faster than padded.
 With --bwd-tiles (backward configs in tune_triton.py's syntax, e.g. 32x64w4s3t1) it then times the varlen
 forward+backward under each of them, beside the dense rate measured above with the table's tiles.
+With --hints (comma-separated max_seqlen values, e.g. 2048,4096) it times the varlen forward and forward+
+backward with that max_seqlen hint instead of the longest length: the grids then cover fewer blocks per
+sequence and the programs of longer sequences loop (fewer programs that exit at once, longer ones in the tail).
 With --equal-lengths every sequence has the mean length of the log-uniform draw (same sequence count,
 about the same tokens) and "dense" is the same batch unpacked: what the varlen code path itself costs,
 without short sequences beside long ones and without the grid's programs for blocks past a sequence's
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("--bwd-tiles", default="", help="comma-separated backward configs to time varlen under")
     parser.add_argument("--skip-padded", action="store_true", help="leave out the (slow) padded rows")
     parser.add_argument("--equal-lengths", action="store_true", help="every sequence of the draw's mean length")
+    parser.add_argument("--hints", default="", help="comma-separated max_seqlen hints to time varlen under")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     generator = torch.Generator().manual_seed(0)
@@ -96,6 +100,7 @@ def main() -> None:
                         return torch.autograd.grad(fn(), inputs, g)
                 ms = bench(step)
                 rates[name] = multiplier * flops / ms / 1e9
+                rates[f"{name}_{mode}"] = rates[name]
                 # each kernel's GPU time in one call: where the packed and dense batches differ
                 kernels = [f"{name[:40]} {us / 1e3:.2f} ms" for name, us in timed_kernels(step, device)[:4]]
                 print(f"causal={int(causal)} {mode:7s} {name:6s} {ms:8.3f} ms {rates[name]:6.1f} TFLOP/s  {kernels}",
@@ -112,6 +117,16 @@ def main() -> None:
             rate = 3.5 * flops / ms / 1e9
             print(f"causal={int(causal)} fwd+bwd varlen backward {text:13s} {ms:8.3f} ms {rate:6.1f} TFLOP/s, "
                   f"{rate / rates['dense']:.2f}x dense", flush=True)
+        for hint in (int(h) for h in filter(None, args.hints.split(","))):
+            def hinted(hint=hint):
+                return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, hint, hint, causal=causal)
+            with torch.no_grad():
+                forward_ms = bench(hinted)
+            ms = bench(lambda: torch.autograd.grad(hinted(), (q, k, v), grad))
+            forward_rate, rate = real_flops / forward_ms / 1e9, 3.5 * real_flops / ms / 1e9
+            print(f"causal={int(causal)} varlen max_seqlen hint {hint:5d}: fwd {forward_ms:7.3f} ms "
+                  f"{forward_rate:6.1f} TFLOP/s {forward_rate / rates['dense_fwd']:.3f}x dense; fwd+bwd {ms:7.3f} ms "
+                  f"{rate:6.1f} TFLOP/s {rate / rates['dense']:.3f}x dense", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 For each tile configuration and shape, runs the forward 30 times on the same inputs and reports how
 many runs differ bitwise from the first, and the largest error against float64 on a sub-sample of
-rows — for schedule 2 (TMA + warp specialization) and, as a control, schedule 1 (TMA only). The
-128-row schedule-2 configs that the launcher refuses (a band, a ragged key end) print the refusal;
-`h200_runbook.sh wsrows` runs this script on a patched copy with the refusals lifted.
+rows — for schedule 2 (TMA + warp specialization) and, as a control, schedule 1 (TMA only). Before
+session 6 the 128-row schedule-2 tiles were wrong wherever the element mask applied (a band, a ragged
+key end; errors ~0.15): this script found it, and shows the fix (fwd_tma.py, m0_desc).
 
     python benchmarks/ws_determinism.py
     python benchmarks/ws_determinism.py --stress 120   # reruns for 120 s

@@ -73,31 +73,31 @@ def main():
         results.append(compile_variant(f"fwd {tag_varlen}", attention_fwd_kernel,
                                        dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0,
                                             VARLEN=varlen), fwd_ptrs, 8, 3))
-        # schedule 1 as the table runs it; schedule 2 (opt-in) at its 128-row tiles only where the launcher lets
-        # them run: no band, no ALiBi, no element mask, lse by descriptor
-        unmasked = dict(flags, HAS_RIGHT=False, HAS_ALIBI=False)
-        for schedule, block_n, warps, stages, schedule_flags in ((1, 64, 8, 3, flags), (2, 128, 4, 2, unmasked)):
+        # schedule 1 as the table runs it; schedule 2 (opt-in) at its 128-row tiles, with the band on every tile
+        for schedule, block_n, warps, stages in ((1, 64, 8, 3), (2, 128, 4, 2)):
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}", attention_fwd_tma_kernel,
-                dict(schedule_flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2,
-                     MASK_ALL=causal and schedule == 1, LSE_BY_DESCRIPTOR=schedule == 2),
+                dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal),
                 {k: v for k, v in fwd_ptrs.items() if k not in ("Mask", "CuSeqlensQ", "CuSeqlensK")}, warps,
                 stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))
-        # the backward at the table's tiles for this dtype and head dim (the dQ kernel takes the transposed tile)
+        # the backward at the table's tiles for this dtype and head dim (the dQ kernel takes the transposed tile);
+        # the two-launch kernels with pointer loads, the one-launch kernel with TMA loads where the batch is dense
         t = table_tiles(dtype, headdim)
         m, n, warps, stages = t.bwd_block_m, t.bwd_block_n, t.bwd_num_warps, t.bwd_num_stages
         results.append(compile_variant(f"bwd-dkdv {tag_varlen}", attention_bwd_dkdv_kernel,
-                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen), bwd_ptrs,
-                                       warps, stages))
+                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen, USE_TMA=False),
+                                       bwd_ptrs, warps, stages))
         results.append(compile_variant(f"bwd-dq {tag_varlen}", attention_bwd_dq_kernel,
                                        dict(flags, BLOCK_M=n, BLOCK_N=m, MASK_KIND=0 if varlen else 2,
-                                            VARLEN=varlen), bwd_ptrs, warps, stages))
-        results.append(compile_variant(f"bwd-one-launch {tag_varlen}", attention_bwd_kernel,
-                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen), bwd_ptrs,
-                                       warps, stages))
+                                            VARLEN=varlen, USE_TMA=False), bwd_ptrs, warps, stages))
+        one_launch_tma = not varlen and dtype != "fp32"
+        results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
+                                       attention_bwd_kernel,
+                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen,
+                                            USE_TMA=one_launch_tma), bwd_ptrs, warps, stages))
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",

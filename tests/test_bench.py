@@ -256,8 +256,6 @@ def test_unknown_provider_lists_the_known_ones():
 def test_forced_forward_schedules_compute_the_same_function():
     """flashtile[triton:tma] / [triton:tma-ws] (named explicitly) run their schedule and agree with float64
     (on the test device: the interpreter in fp32 on CPU, the GPU's bf16 kernels with FLASHTILE_TEST_DEVICE=cuda)."""
-    # not causal and whole 128-key blocks: the warp-specialized schedule's 128 x 128 tiles refuse a band or a
-    # ragged key end
     config = runner.make_config(device=DEVICE.type, quick=True, seqlens="128", causal="no", mode="fwd",
                                 providers="flashtile[triton:tma],flashtile[triton:tma-ws]",
                                 max_call_seconds="0")  # the interpreter is slow
@@ -272,7 +270,8 @@ def test_forced_forward_schedules_compute_the_same_function():
 def test_provider_families():
     assert [p.name for p in prov.select_providers(["flashtile"])] == (
         [f"flashtile[{b}]" for b in _dispatch.BACKENDS] + ["flashtile[triton:tma]", "flashtile[triton:tma-ws]",
-                                                           "flashtile[triton:bwd0]", "flashtile[triton:bwd1]"])
+                                                           "flashtile[triton:bwd0]", "flashtile[triton:bwd1]",
+                                                           "flashtile[triton:bwd2]", "flashtile[triton:bwd3]"])
     assert [p.name for p in prov.select_providers(["sdpa", "naive"])] == ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
                                                                           "sdpa-math", "naive"]
 

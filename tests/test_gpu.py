@@ -71,14 +71,18 @@ def test_default_tiles_with_a_value_tile_narrower_than_the_key_tile(shape, causa
     assert_close_to_oracle("decode out", out, want, eager, dtype, seed)
 
 
-# The warp-specialized forward (opt-in) at its fastest tiles, where they need no element mask (d = 128, no band,
-# no ALiBi, whole 128-key blocks): GQA, several batch entries, softcap, a ragged query end (rows past it are
-# computed, never stored) — and lse, which triton 3.6 stored one tile too far for the second warpgroup.
+# The warp-specialized forward (opt-in) at its fastest tiles (128 x 128, two consumer warpgroups): GQA, several
+# batch entries, softcap, a ragged query end, and the cases where the query positions enter the scores (a band,
+# ALiBi, a ragged key end) or the lse store (seqlen_q % 4 != 0), which triton 3.6 offset twice for the second
+# warpgroup before fwd_tma.py's m0_desc.
 WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_stages=2)
 WARP_SPECIALIZED_SHAPES = {
     "gqa-2k": ((2, 2048, 2048, 16, 4, 128, 128), {}),
     "mha-1k-softcap": ((4, 1024, 1024, 8, 8, 128, 128), {"softcap": 20.0}),
     "mqa-ragged-queries": ((1, 1000, 4096, 8, 1, 128, 128), {}),
+    "gqa-2k-causal": ((2, 2048, 2048, 16, 4, 128, 128), {"causal": True}),
+    "ragged-ends-window": ((1, 1001, 4100, 8, 2, 128, 128), {"window_size": (700, 0)}),
+    "mha-1k-alibi": ((2, 1024, 1024, 8, 8, 128, 128), {"alibi_slopes": "random"}),
 }
 
 
@@ -87,6 +91,8 @@ WARP_SPECIALIZED_SHAPES = {
 def test_warp_specialized_forward_at_its_fastest_tiles(case, dtype, seed):
     shape, kwargs = case
     q, k, v = random_qkv(*shape, dtype, requires_grad=True)
+    if kwargs.get("alibi_slopes") == "random":
+        kwargs = dict(kwargs, alibi_slopes=torch.rand(shape[3], device=DEVICE, dtype=torch.float32))
     with flashtile.use_backend("triton", **WS_TILES):
         runs = [flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs) for _ in range(10)]
     for run in runs[1:]:
@@ -97,16 +103,17 @@ def test_warp_specialized_forward_at_its_fastest_tiles(case, dtype, seed):
 
 
 def test_warp_specialized_forward_with_64_row_tiles_keeps_the_band(seed):
-    """128-row tiles refuse a band (test_triton_schedules.py); 64-row tiles, one consumer warpgroup, were right."""
+    """64-row tiles (one consumer warpgroup) with a band, at a realistic length."""
     q, k, v = random_qkv(1, 256, 256, 2, 2, 128, 128, torch.bfloat16)
     with flashtile.use_backend("triton", forward_schedule=2, block_m=64, block_n=64, num_warps=4, num_stages=2):
-        out = flashtile.flash_attn_func(q, k, v, causal=True)  # 64-row tiles were right (BENCHMARKS.md)
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
     want, _ = flash_attn_reference(q, k, v, causal=True)
     eager, _ = flash_attn_reference(q, k, v, causal=True, dtype=torch.bfloat16)
     assert_close_to_oracle("out", out, want, eager, torch.bfloat16, seed)
 
 
-@pytest.mark.parametrize("backward_schedule", (0, 1), ids=("two-launch-bwd", "one-launch-bwd"))
+@pytest.mark.parametrize("backward_schedule", (0, 1, 2, 3),
+                         ids=("two-launch-bwd", "one-launch-bwd", "two-launch-tma-bwd", "one-launch-tma-bwd"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_triton_is_bitwise_deterministic_over_30_runs(causal, backward_schedule, seed):
     q, k, v = random_qkv(2, 2048, 2048, 16, 4, 128, 128, torch.bfloat16, requires_grad=True)

@@ -23,6 +23,19 @@ class _MustNotLaunch:
         raise AssertionError("a kernel ran that the requested schedule does not use")
 
 
+class _RecordingKernel:
+    """Wraps a kernel and records the USE_TMA flag of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.use_tma = kernel, []
+
+    def __getitem__(self, grid):
+        def launch_kernel(*args, **kwargs):
+            self.use_tma.append(kwargs["USE_TMA"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch_kernel
+
+
 @pytest.mark.parametrize("schedule", (1, 2), ids=("tma", "tma-warp-specialized"))
 @pytest.mark.parametrize("scenario", ("plain", "causal", "window", "softcap", "everything"))
 @pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "decode-d72"))
@@ -80,47 +93,43 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))
 
 
-def test_warp_specialized_forward_refuses_tiles_that_need_the_query_positions():
-    """Under triton 3.6 the warp-specialized 128-row tile computed wrong scores wherever the element mask or
-    ALiBi applies; forcing it there raises (64-row tiles, and the interpreter's, are allowed)."""
-    q, k, v = random_qkv(1, 40, 40, 2, 2, 16, 16, torch.float16)
-    for kwargs in ({"causal": True}, {"window_size": (8, 8)}, {"alibi_slopes": torch.ones(2, device=DEVICE)}):
-        with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=32):
-            with pytest.raises(ValueError, match=r"forward_schedule=2 .*block_m=128"):
-                flashtile.flash_attn_func(q, k, v, **kwargs)
-    with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=16):
-        with pytest.raises(ValueError, match="seqlen_k 40 not a multiple of block_n 16"):
-            flashtile.flash_attn_func(q, k, v)
-    q, k, v = random_qkv(1, 37, 32, 2, 2, 16, 16, torch.float16)
-    with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=16):
-        with pytest.raises(ValueError, match="seqlen_q 37 not a multiple of 4"):
-            flashtile.flash_attn_func(q, k, v)
+WS_POSITION_CASES = {"causal": {"causal": True}, "window": {"window_size": (100, 20)},
+                     "alibi": {"alibi_slopes": "random"}, "ragged-ends": {}}
 
 
-@pytest.mark.parametrize("seqlen_q", (44, 45), ids=("lse-by-descriptor", "lse-by-pointer"))
-def test_warp_specialized_schedule_stores_lse_either_way(seqlen_q, seed):
-    """Schedule 2 stores lse through a 1-D descriptor where seqlen_q % 4 == 0 (the triton 3.6 workaround in
-    fwd_tma.py), by pointer elsewhere: both must write every row's lse, and no other row's."""
+@pytest.mark.parametrize("case", WS_POSITION_CASES.values(), ids=WS_POSITION_CASES.keys())
+def test_warp_specialized_128_row_tiles_use_the_right_query_positions(case, seed):
+    """Schedule 2 with 128-row tiles (two consumer warpgroups on a GPU) where the query positions enter the
+    scores (a band, ALiBi, the mask of a ragged key end) and the lse store (seqlen_q % 4 != 0). Triton's
+    warp-specialization pass offset the second warpgroup's positions twice (errors ~0.15 and lse rows one
+    tile too far on an H200) until fwd_tma.py gave the descriptors a row value of their own. Three runs:
+    the misplaced lse rows had raced with the next tile's."""
     dtype = torch.float16
-    q, k, v = random_qkv(2, seqlen_q, 48, 4, 2, 16, 16, dtype)
-    with flashtile.use_backend("triton", forward_schedule=2, block_m=16, block_n=16):
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True)
-    ref_out, ref_lse = flash_attn_reference(q, k, v)
-    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype)
+    q, k, v = random_qkv(2, 301, 333, 4, 2, 64, 64, dtype)
+    kwargs = dict(case)
+    if kwargs.get("alibi_slopes") == "random":
+        kwargs["alibi_slopes"] = torch.rand(2, 4, device=DEVICE, dtype=torch.float32)
+    with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=64, num_warps=4, num_stages=2):
+        runs = [flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs) for _ in range(3)]
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), "a rerun differs bitwise"
+    (out, lse), (ref_out, ref_lse) = runs[0], flash_attn_reference(q, k, v, **kwargs)
+    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype, **kwargs)
     assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
 
 
 def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_pay():
     """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128, one launch below 16k keys at d = 64;
-    other GPUs and fp32 keep the two launches and their tiles; packed batches at d = 128 take two launches."""
+    other GPUs and fp32 keep the two launches and their tiles; packed batches at d = 128 take two launches
+    with pointer loads; dense ones at d = 128 load the streamed tiles by TMA from 4k keys."""
     import dataclasses
 
     from flashtile.triton.configs import default_tiles
 
     d128, d64 = _table_problem(4096, 128), _table_problem(4096, 64)
     tiles = default_tiles(d128, (9, 0))
-    assert (tiles.backward_schedule, tiles.bwd_block_m, tiles.bwd_block_n, tiles.bwd_num_warps) == (1, 64, 128, 8)
+    assert (tiles.backward_schedule, tiles.bwd_block_m, tiles.bwd_block_n, tiles.bwd_num_warps) == (3, 64, 128, 8)
     assert default_tiles(_table_problem(1024, 128), (9, 0)).backward_schedule == 1
     assert default_tiles(d64, (9, 0)).backward_schedule == 1
     assert default_tiles(_table_problem(16384, 64), (9, 0)).backward_schedule == 0
@@ -205,9 +214,82 @@ def test_one_launch_backward_of_packed_sequences_equals_two_launches(monkeypatch
     _assert_one_launch_equals_two(monkeypatch, call, atol_on_gpu=1e-5)
 
 
+@pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
+@pytest.mark.parametrize("scenario", ("plain", "causal-window", "everything"))
+@pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "mqa-long-q"))
+def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatch, one_launch, scenario, shape,
+                                                                        seed):
+    """Backward schedules 2 / 3 load the streamed Q/dO and K/V tiles by TMA descriptor (rows past the end and
+    columns past a padded head dim zero-filled by the copy engine), otherwise the arithmetic of 0 / 1: bitwise
+    the same gradients in the interpreter, the eager rule against float64 everywhere; the TMA path must run."""
+    dtype = torch.float16
+    kwargs = SCENARIOS[scenario](SHAPES[shape])
+    q, k, v = random_qkv(*SHAPES[shape], dtype, requires_grad=True)
+
+    def call():
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+        return out, lse, (q, k, v)
+
+    pointer = _with_backward_schedule(int(one_launch), call)
+    names = ("attention_bwd_kernel",) if one_launch else ("attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel")
+    recorders = [_RecordingKernel(getattr(launch, name)) for name in names]
+    for name, recorder in zip(names, recorders):
+        monkeypatch.setattr(launch, name, recorder)
+    tma = _with_backward_schedule(2 + int(one_launch), call)
+    assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
+        if INTERPRETED:
+            assert torch.equal(a, b), f"{name} differs between TMA and pointer loads"
+    with flashtile.use_backend("triton", backward_schedule=2 + int(one_launch), bwd_block_m=16, bwd_block_n=32):
+        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
+                                            seed)
+
+
+@pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
+def test_tma_backward_of_packed_sequences_equals_pointer_loads(monkeypatch, lengths):
+    """Schedules 2 / 3 on packed sequences, among them sequences without queries or without keys (their
+    descriptors get a 1-row view that is never read): the TMA path runs and gives the gradients of 0 / 1
+    within 1e-5 in float32 (not bitwise even in the interpreter: its matmul of the transposed K tile in
+    dQ += dS K sums in another order for a transposed view than for a tile loaded transposed)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS[lengths], 4, 2, 16, 24, torch.float32)
+
+    def call():
+        out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+        return out, lse, (q, k, v)
+
+    for schedule in (0, 1):
+        pointer = _with_backward_schedule(schedule, call)
+        name = "attention_bwd_kernel" if schedule else "attention_bwd_dq_kernel"
+        recorder = _RecordingKernel(getattr(launch, name))
+        monkeypatch.setattr(launch, name, recorder)
+        tma = _with_backward_schedule(2 + schedule, call)
+        monkeypatch.undo()
+        assert recorder.use_tma == [True], recorder.use_tma
+        for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"{what} differs (schedule {schedule})")
+
+
+def test_tma_backward_keeps_pointer_loads_where_rows_are_not_16_byte_aligned(monkeypatch):
+    """A head dim of 12 fp16 values (24-byte rows) cannot be described to TMA: schedule 3 runs the pointer
+    loads, with the gradients of schedule 1."""
+    recorder = _RecordingKernel(launch.attention_bwd_kernel)
+    monkeypatch.setattr(launch, "attention_bwd_kernel", recorder)
+    inputs = random_qkv(1, 20, 30, 1, 1, 12, 12, torch.float16, requires_grad=True)
+    grads = []
+    for schedule in (1, 3):
+        with flashtile.use_backend("triton", backward_schedule=schedule):
+            out = flashtile.flash_attn_func(*inputs)
+        grads.append(torch.autograd.grad(out.float().square().sum(), inputs))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert recorder.use_tma == [False, False], recorder.use_tma
+
+
 def test_backward_schedule_is_validated_and_reported():
-    with pytest.raises(ValueError, match=r"backward_schedule must be one of \[0, 1\], got 2"):
-        with flashtile.use_backend("triton", backward_schedule=2):
+    with pytest.raises(ValueError, match=r"backward_schedule must be one of \[0, 1, 2, 3\], got 4"):
+        with flashtile.use_backend("triton", backward_schedule=4):
             pass
     q = torch.randn(1, 40, 2, 16, device=DEVICE)
     with flashtile.use_backend("triton", backward_schedule=1):

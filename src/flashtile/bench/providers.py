@@ -14,8 +14,9 @@ Each provider answers three questions:
     asked for (FlexAttention falling back to eager); None when they look right.
 
 The contenders: one "flashtile[<backend>]" per flashtile backend (so a new backend shows up by
-itself), "flashtile[triton:tma]" / "flashtile[triton:tma-ws]" / "flashtile[triton:bwd0]" / "flashtile[triton:bwd1]"
-with a Triton forward schedule or the two- or one-launch backward forced (only when named), torch SDPA with each backend
+itself), "flashtile[triton:tma]" / "flashtile[triton:tma-ws]" / "flashtile[triton:bwd0]" ... "flashtile[triton:bwd3]"
+with a Triton forward schedule or a backward schedule forced (two or one launch, pointer or TMA loads; only when named),
+torch SDPA with each backend
 forced ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math"), FlexAttention under torch.compile ("flex", CUDA only), naive materialised attention
 ("naive"), and the optional packages flash-attn 2 ("flash_attn") and FlashAttention 4's CuTe-DSL
 interface ("flash_attn.cute").
@@ -91,11 +92,13 @@ class FlashtileProvider(Provider):
     io_model = "tiled"
     # named schedules: the tile settings each forces
     # tma-ws at the warp-specialized forward's fastest tiles (with the table's 8 warps triton 3.6 would not
-    # specialize); they refuse a causal band or lengths that are not multiples of 128 (launch.py says why)
+    # specialize)
     SCHEDULES = {"tma": {"forward_schedule": 1},
                  "tma-ws": {"forward_schedule": 2, "block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2},
                  "bwd0": {"backward_schedule": 0},
-                 "bwd1": {"backward_schedule": 1}}
+                 "bwd1": {"backward_schedule": 1},
+                 "bwd2": {"backward_schedule": 2},
+                 "bwd3": {"backward_schedule": 3}}
 
     def __init__(self, backend: str, schedule: str | None = None):
         self.backend, self.schedule = backend, schedule
@@ -355,7 +358,7 @@ FAMILIES = {"flashtile": "flashtile[", "sdpa": "sdpa-"}
 def select_providers(names: list[str] | None) -> list[Provider]:
     """The providers named (each a provider name, or a family: "flashtile" = every flashtile backend and
     forced schedule, "sdpa" = every SDPA backend), in `all_providers` order; None selects all but the forced
-    schedules (flashtile[triton:tma], [triton:tma-ws], [triton:bwd0], [triton:bwd1]: name them to compare).
+    schedules (flashtile[triton:tma], [triton:tma-ws], [triton:bwd0] ... [triton:bwd3]: name them to compare).
 
     Raises ValueError naming --providers and listing the known names for an unknown name.
     """

@@ -14,6 +14,12 @@ Three kernels (backward schedule 0; schedule 1 runs 2 and 3 as one launch, atten
 dQ in its own kernel (instead of atomics from the dK/dV kernel) costs two extra matmuls per tile
 but makes every gradient bitwise reproducible.
 
+With USE_TMA (backward schedules 2 and 3) the tiles a program streams (Q and dO in dK/dV, K and V in dQ)
+come from in-kernel tensor descriptors, one [seqlen, headdim] view per head, instead of pointer tiles:
+the copy engine zero-fills rows past the sequence's end and columns past a padded head dim, and the
+loop keeps no per-element addresses or bounds in registers (on an H200, d = 128: fewer spills and +5%
+to +8% from 4k keys; BENCHMARKS.md). The arithmetic is the same.
+
 Packed variable-length batches (VARLEN) work as in fwd.py: batch entry b is sequence b of the
 packed tensors, and each program loops over its sequence's real blocks. The preprocess kernel needs
 no sequence boundaries (rows are independent): it sees the packed batch as one long sequence.
@@ -68,23 +74,29 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, CHECK_ROWS: tl.const
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
+def _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
                  stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale,
                  softcap_out, slope, diagonal_offset, window_left, window_right,
                  HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 USE_TMA: tl.constexpr):
     # Tiles are transposed (keys as rows, queries as columns) so that P^T and dS^T come out of the
-    # matmuls directly and only register tiles of Q and dO get transposed. MASKED ranges may run
-    # past the queries; the interior range never does, so its loads go unmasked.
+    # matmuls directly and only register tiles of Q and dO get transposed. q_src / do_src are tensor
+    # descriptors with USE_TMA (rows past the sequence read as zeros), else pointers at row 0: MASKED
+    # ranges may run past the queries; the interior range never does, so its loads go unmasked.
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < seqlen_q
-        q_t = load_tile(q_base + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
-                        row_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
-        do = load_tile(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
-                       row_ok[:, None], offs_dv[None, :] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
+        if USE_TMA:
+            q_t = tl.trans(q_src.load([m0, 0]))
+            do = do_src.load([m0, 0])
+        else:
+            row_ok = offs_m < seqlen_q
+            q_t = load_tile(q_src + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
+                            row_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
+            do = load_tile(do_src + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
+                           row_ok[:, None], offs_dv[None, :] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
         lse2, delta = _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, MASKED)
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
         s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, score_scale, softcap_scale,
@@ -111,7 +123,7 @@ def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, 
                     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """dK and dV of keys [n0, n0 + BLOCK_N) of one (batch entry, K/V head); the pointers are at the entry's row 0."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -128,26 +140,35 @@ def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, 
                                                   window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for g in range(0, group_size):
         h = hk * group_size + g
-        q_base = Q + h * stride_qh
-        do_base = dOut + h * stride_doh
+        q_src = Q + h * stride_qh
+        do_src = dOut + h * stride_doh
+        if USE_TMA:
+            # one [seqlen_q, headdim] view of this head's rows; the copy engine zero-fills past the end. A
+            # descriptor needs every dimension >= 1: a packed sequence without queries gets a 1-row view, never
+            # read (no query block reaches its keys)
+            rows_q = tl.maximum(seqlen_q, 1)
+            q_src = tl.make_tensor_descriptor(q_src, shape=[rows_q, HEADDIM], strides=[stride_qm, 1],
+                                              block_shape=[BLOCK_M, BLOCK_D])
+            do_src = tl.make_tensor_descriptor(do_src, shape=[rows_q, HEADDIM_V], strides=[stride_dom, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DV])
         row_base = b * stride_lse_b + h * stride_lse_h + q_start
         mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[:, None].to(tl.int64) * stride_mask_n
         slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
-                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
+                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
-                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, Lse, Delta, row_base, stride_qm, stride_dom,
+                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
-                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
     tl.store(dK + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(dK.dtype.element_ty), mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM))
     tl.store(dV + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
@@ -165,7 +186,8 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV,
                   HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr):
+                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+                  USE_TMA: tl.constexpr):
     """The dK/dV work of program pid_n of key_programs for (batch entry b, K/V head hk)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
         CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
@@ -184,7 +206,8 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV,
                             stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
                             group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                             diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
-                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
+                            USE_TMA)
     else:
         _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b,
                         hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
@@ -192,7 +215,8 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV,
                         stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
                         group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                         diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
-                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
+                        USE_TMA)
 
 
 @triton.jit
@@ -211,7 +235,7 @@ def attention_bwd_dkdv_kernel(
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     b, hk, _ = program_heads(tl.program_id(1), nheads_k, 1)
     _dkdv_program(tl.program_id(0), tl.num_programs(0), b, hk, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask,
@@ -221,27 +245,33 @@ def attention_bwd_dkdv_kernel(
                   stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k, sm_scale, score_scale,
                   softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                   BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                  VARLEN)
+                  VARLEN, USE_TMA)
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_rows, stride_mask_n,
                offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                diagonal_offset, window_left, window_right,
                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # MASKED ranges may run past the keys; the interior range never does, so its loads go unmasked
+               HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    # k_src / v_src: tensor descriptors with USE_TMA, else pointers at row 0, where MASKED ranges may run
+    # past the keys; the interior range never does, so its loads go unmasked
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < seqlen_k
-        cols = offs_n[None, :].to(tl.int64)
-        # K and V are read transposed straight from memory (D, BLOCK_N): no in-register transpose
-        k_t = load_tile(k_base + cols * stride_kn + offs_d[:, None],
-                        key_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
-        v_t = load_tile(v_base + cols * stride_vn + offs_dv[:, None],
-                        key_ok[None, :], offs_dv[:, None] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
+        if USE_TMA:
+            k_t = tl.trans(k_src.load([n0, 0]))
+            v_t = tl.trans(v_src.load([n0, 0]))
+        else:
+            key_ok = offs_n < seqlen_k
+            cols = offs_n[None, :].to(tl.int64)
+            # K and V are read transposed straight from memory (D, BLOCK_N): no in-register transpose
+            k_t = load_tile(k_src + cols * stride_kn + offs_d[:, None],
+                            key_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
+            v_t = load_tile(v_src + cols * stride_vn + offs_dv[:, None],
+                            key_ok[None, :], offs_dv[:, None] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
         s, t = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right,
@@ -266,7 +296,7 @@ def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q
                     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """dQ of query rows [m0, m0 + BLOCK_M) of one (batch entry, head); the pointers are at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -279,28 +309,36 @@ def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q
                  mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
     lse2, delta = _load_row_stats(Lse, Delta, b * stride_lse_b + h * stride_lse_h + q_start, offs_m, seqlen_q,
                                    True)
-    k_base = K + hk * stride_kh
-    v_base = V + hk * stride_vh
+    k_src = K + hk * stride_kh
+    v_src = V + hk * stride_vh
+    if USE_TMA:
+        # [seqlen_k, headdim] views of the K/V head's rows; rows past the end read as zeros (a sequence
+        # without keys gets a 1-row view, never read: it has no key blocks)
+        rows_k = tl.maximum(seqlen_k, 1)
+        k_src = tl.make_tensor_descriptor(k_src, shape=[rows_k, HEADDIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_src, shape=[rows_k, HEADDIM_V], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                    DOT_PRECISION, USE_TMA)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                    MASK_KIND, DOT_PRECISION)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                    MASK_KIND, DOT_PRECISION, USE_TMA)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION)
+                    DOT_PRECISION, USE_TMA)
     tl.store(dQ + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))
 
@@ -315,7 +353,8 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, 
                 HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr):
+                MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+                USE_TMA: tl.constexpr):
     """The dQ work of program pid_m of query_programs for (batch entry b, query head h of K/V head hk)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
         CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
@@ -332,7 +371,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, 
                             stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale,
                             softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
                             HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
     else:
         _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk,
                         q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
@@ -340,7 +379,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, 
                         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
                         HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                        HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
 
 
 @triton.jit
@@ -358,7 +397,7 @@ def attention_bwd_dq_kernel(
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     b, h, hk = program_heads(tl.program_id(1), nheads, group_size)
     _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask,
@@ -367,7 +406,7 @@ def attention_bwd_dq_kernel(
                 stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m,
                 stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset,
                 window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT,
-                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN)
+                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA)
 
 
 @triton.jit
@@ -387,7 +426,7 @@ def attention_bwd_kernel(
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Backward schedule 1: the dK/dV and the dQ programs in one launch, grid (key_programs * nheads_k +
     query_programs * nheads, batch). The first key_programs * nheads_k programs of axis 0 do what
@@ -407,7 +446,7 @@ def attention_bwd_kernel(
                       stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k,
                       sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                       HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN)
+                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA)
     else:
         # the dQ programs use the transposed tile: BLOCK_N query rows against BLOCK_M keys
         r = pid - dkdv_programs
@@ -418,4 +457,5 @@ def attention_bwd_kernel(
                     stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h,
                     stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale,
                     softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
-                    BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN)
+                    BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN,
+                    USE_TMA)

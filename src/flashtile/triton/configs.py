@@ -32,7 +32,9 @@ class TritonTiles:
     bwd_num_warps: int
     bwd_num_stages: int
     forward_schedule: int = 0  # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py)
-    backward_schedule: int = 0  # 0: dK/dV then dQ kernel; 1: both kinds of program in one launch (bwd.py)
+    # backward: 0 the dK/dV then the dQ kernel; 1 both kinds of program in one launch; 2, 3 as 0, 1 with the
+    # streamed Q/dO (dK/dV programs) and K/V (dQ programs) tiles loaded by TMA (bwd.py)
+    backward_schedule: int = 0
 
     def describe(self, problem: AttentionProblem) -> str:
         return (f"forward ({FORWARD_SCHEDULES[self.forward_schedule]}) BLOCK_M {self.block_m} x BLOCK_N "
@@ -45,13 +47,16 @@ FORWARD_SCHEDULES = {
     0: "attention_fwd_kernel, pointer loads",
     1: "attention_fwd_tma_kernel, TMA descriptors, when strides are 16-byte aligned and there is no attn_mask",
     2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no "
-        "attn_mask (opt-in: one rerun in ~6 x 10^5 differed bitwise on an H200 under triton 3.6; 128-row tiles "
-        "refuse a band, ALiBi, a ragged key end or seqlen_q % 4 != 0, which triton 3.6 miscompiles)"),
+        "attn_mask (opt-in: one rerun in ~6 x 10^5 differed bitwise on an H200 under triton 3.6)"),
 }
 
 BACKWARD_SCHEDULES = {
     0: "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel",
     1: "attention_bwd_kernel, the dK/dV and dQ programs in one launch",
+    2: ("attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel, streamed tiles loaded by TMA descriptors "
+        "when strides are 16-byte aligned and there is no attn_mask"),
+    3: ("attention_bwd_kernel, the dK/dV and dQ programs in one launch, streamed tiles loaded by TMA descriptors "
+        "when strides are 16-byte aligned and there is no attn_mask"),
 }
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
@@ -70,15 +75,17 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       descriptor set-up of every short program; not verified). The warp-specialized loop (schedule 2,
       128 x 128, 4 warps, 2 stages) is the fastest forward measured at d = 128 without a band (+14-16%
       over this table, two grids of 2026-11-29), but it stays opt-in: under triton 3.6 one of 6 x 10^5
-      reruns beside the GPU suite on 14 workers returned a different out (an unexplained race); and its
-      128-row tile is miscompiled wherever the query positions enter the scores or the lse store
-      (fwd_tma.py works around the store; launch.forward refuses the masked / ALiBi cases).
+      reruns beside the GPU suite on 14 workers returned a different out (an unexplained race). (Its
+      128-row tiles' wrong masked scores and lse rows, a compiler pass's double offset, are fixed in
+      fwd_tma.py since session 6.)
     - Hopper backward for fp16/bf16, d = 128: 64 query rows against 128 keys, 8 warps, 3 stages, the
       dK/dV and dQ programs in one launch: +4% to +10% fwd+bwd over 32 x 64 with 4 warps in two
       launches at 1k non-causal, 4k and 16k; at 1k causal +2% or +24% against the old tile's two runs
-      (host noise); 2 stages had been within 3% of the old tile. d = 64: the old 32 x 128 tile in one
-      launch, +1% to +4% below 16k keys, -2% to +0% at 16k (two launches kept there); 64 x 128 with 8
-      warps lost 11-14% at d = 64.
+      (host noise); 2 stages had been within 3% of the old tile. From 4k keys the streamed tiles
+      come by TMA (schedule 3: +5% to +8% at 4k / 16k, session 6); 32 x 128 lost 9-11%; the dK/dV
+      and dQ program bodies as separate (noinline) functions lost 8-11% (ptxas serialises wgmma
+      across a call). d = 64: the old 32 x 128 tile in one launch, +1% to +4% below 16k keys, -2% to
+      +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -8% to +2%.
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """
@@ -98,8 +105,13 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         if hopper_16bit:
             # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
             # 0.95x / 0.87x, non-causal / causal; with equal lengths, causal 0.91x against 0.81x; in the SASS
-            # the packed causal one-launch kernel's dK/dV loop spills 2.5x more than the dense one's: a lead)
+            # the packed causal one-launch kernel's dK/dV loop spills 2.5x more than the dense one's: a lead).
+            # Dense batches take TMA loads from 4k keys (session 6: +5% to +8% backward at 4k / 16k, +1% at 4k
+            # causal; at 1k -6% causal, +1% non-causal); packed batches lost with them (fwd+bwd 0.84x against
+            # 0.89x the dense rate, causal; 0.88x against 0.90x non-causal), so they keep the pointer loads
+            long_keys = problem.seqlen_k >= 4096
+            backward_schedule = 0 if problem.varlen else (3 if long_keys else 1)
             return TritonTiles(128, 64, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,
-                               backward_schedule=0 if problem.varlen else 1)
+                               backward_schedule=backward_schedule)
         return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=forward_schedule)
     return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)

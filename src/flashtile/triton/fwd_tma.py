@@ -11,10 +11,11 @@ copies and consumer warpgroups doing the matmuls and the softmax (`tl.range(...,
 its pass rejects a kernel with several loops (triton 3.9, compiled for sm_90: "'scf.for' op operation
 destroyed but still has uses"), so that variant runs a single loop over every visible block and applies
 the element mask on every tile when the problem has a band or a ragged key end (MASK_ALL). Splitting a
-tile of more than 64 rows between two consumer warpgroups, triton 3.6's pass offsets the second one's
-query positions twice: its masks, ALiBi and a pointer lse store would use rows one tile too far. So
-that variant stores lse by descriptor (LSE_BY_DESCRIPTOR) and the launcher refuses such tiles where
-the positions enter the scores (launch._warp_specialized_lse_by_descriptor); 64-row tiles are exact.
+tile of more than 64 rows between two consumer warpgroups, the pass adds the second warpgroup's row
+offset (+64) to the scalar that the descriptors' row coordinate comes from, and to everything derived
+from it: were the query positions built from that same scalar, they would come out offset twice
+(triton 3.6 and 3.9, read in the TTGIR; on an H200, wrong masks and lse rows, errors ~0.15). So the
+descriptors take their row from a separate value (m0_desc), which the pass offsets alone.
 
 Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
@@ -61,7 +62,6 @@ def attention_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr,
-    LSE_BY_DESCRIPTOR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -78,7 +78,9 @@ def attention_fwd_tma_kernel(
                                        strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
     o_desc = tl.make_tensor_descriptor(Out + b * stride_ob + h * stride_oh, shape=[seqlen_q, HEADDIM_V],
                                        strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_DV])
-    q = q_desc.load([m0, 0])
+    # equal to m0; a value of its own so that warp specialization offsets the descriptors' rows, not offs_m
+    m0_desc = tl.minimum(m0, seqlen_q)
+    q = q_desc.load([m0_desc, 0])
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -106,16 +108,5 @@ def attention_fwd_tma_kernel(
                                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
 
     out, lse = finish_rows(acc, l_i, m_i)
-    o_desc.store([m0, 0], out.to(Out.dtype.element_ty))
-    if LSE_BY_DESCRIPTOR:
-        # Workaround (triton 3.6 and 3.9, sm_90): when the warp-specialization pass splits a 128-row tile
-        # between two consumer warpgroups, the second one's offs_m comes out offset twice (m0 + 128 + i
-        # instead of m0 + 64 + i), so a pointer store would write its lse rows one tile too far. The
-        # descriptor store takes its row from m0, which the pass offsets once, as for out. TMA needs each
-        # (batch, head)'s lse row 16-byte aligned, so the launcher asks for it only where seqlen_q % 4 == 0
-        # (and refuses 128-row warp-specialized tiles elsewhere).
-        lse_desc = tl.make_tensor_descriptor(Lse + pid_bh.to(tl.int64) * seqlen_q, shape=[seqlen_q], strides=[1],
-                                             block_shape=[BLOCK_M])
-        lse_desc.store([m0], lse)
-    else:
-        tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    o_desc.store([m0_desc, 0], out.to(Out.dtype.element_ty))
+    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)

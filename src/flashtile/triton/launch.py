@@ -105,31 +105,6 @@ def _tma_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _warp_specialized_lse_by_descriptor(problem: AttentionProblem, tiles: TritonTiles) -> bool:
-    """For the TMA forward: whether it stores lse through a descriptor (the warp-specialized schedule where
-    seqlen_q % 4 == 0, so each lse row is 16-byte aligned), after refusing what triton 3.6 miscompiles there.
-
-    The warp-specialization pass offsets the second consumer warpgroup's query positions twice when it
-    splits a tile of more than 64 rows (fwd_tma.py), so such tiles are wrong wherever the positions enter
-    the scores (a band, ALiBi, the mask of a ragged key end; H200, benchmarks/ws_determinism.py: errors
-    ~0.15, alike in every run) or the lse store (unless it goes through a descriptor): raise there.
-    """
-    p = problem
-    lse_by_descriptor = tiles.forward_schedule == 2 and p.seqlen_q % 4 == 0
-    if tiles.forward_schedule != 2 or tiles.block_m <= 64:
-        return lse_by_descriptor
-    unsafe = [reason for reason, applies in (
-        ("a causal/window band", p.is_banded), ("ALiBi", p.has_alibi),
-        (f"seqlen_k {p.seqlen_k} not a multiple of block_n {tiles.block_n}", p.seqlen_k % tiles.block_n != 0),
-        (f"seqlen_q {p.seqlen_q} not a multiple of 4", not lse_by_descriptor)) if applies]
-    if unsafe:
-        raise ValueError(f"forward_schedule=2 (warp-specialized) with block_m={tiles.block_m} computes wrong scores "
-                         f"under triton 3.6 where tiles need the element mask or ALiBi, and wrong lse rows unless "
-                         f"seqlen_q is a multiple of 4 (here: {', '.join(unsafe)}); use block_m=64 or "
-                         f"forward_schedule=1")
-    return lse_by_descriptor
-
-
 def _packing(q, k, cu_seqlens_q, cu_seqlens_k):
     """Kernel arguments for packed sequences: (CuSeqlensQ, CuSeqlensK, VARLEN, batch strides of q and k).
 
@@ -139,6 +114,18 @@ def _packing(q, k, cu_seqlens_q, cu_seqlens_k):
     if cu_seqlens_q is None:
         return q, q, False, 1, 1
     return cu_seqlens_q, cu_seqlens_k, True, 0, 0
+
+
+# Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and
+# dQ grids, keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch a full
+# column of programs for every short sequence that exit at once. H200, d = 128, 64 log-uniform lengths up to
+# 8,076 (session 6, BENCHMARKS.md): covering 2,048 rows instead of 8,076, fwd+bwd +1.2% non-causal, +2.0%
+# causal; 4,096 +-1%; 1,024 -3% (long sequences' programs then loop 8 times, in the tail).
+VARLEN_GRID_ROWS = 2048
+
+
+def _grid_rows(seqlen_hint: int, varlen: bool) -> int:
+    return min(seqlen_hint, VARLEN_GRID_ROWS) if varlen else seqlen_hint
 
 
 def _row_strides(t: torch.Tensor, batch_stride: int) -> tuple[int, int, int]:
@@ -171,10 +158,9 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     flags = _forward_widths(flags)
-    grid = (max(1, _cdiv(p.seqlen_q, tiles.block_m)), p.batch * p.nheads)
+    grid = (max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m)), p.batch * p.nheads)
     if tiles.forward_schedule > 0 and not varlen and _tma_ready((q, k, v, out), attn_mask):
         mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
-        lse_by_descriptor = _warp_specialized_lse_by_descriptor(p, tiles)
         if not interpreting():
             triton.set_allocator(_tma_scratch)
         del flags["MASK_KIND"]
@@ -183,8 +169,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             *_row_strides(q, 1), *_row_strides(k, 1), *_row_strides(v, 1), *_row_strides(out, 1), slopes_stride,
             p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all,
-            LSE_BY_DESCRIPTOR=lse_by_descriptor, **flags)
+            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, **flags)
         return out, lse
     attention_fwd_kernel[grid](
         q, k, v, out, lse, slopes, mask, cu_q, cu_k,
@@ -226,10 +211,15 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
                                           _row_strides(dv, batch_k))
     stats = (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides)
-    bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, **flags)
-    key_programs = max(1, _cdiv(p.seqlen_k, tiles.bwd_block_n))
-    query_programs = max(1, _cdiv(p.seqlen_q, tiles.bwd_block_n))  # the dQ programs' tile is transposed
-    if tiles.backward_schedule == 1 and k.shape[1] > 0:
+    use_tma = tiles.backward_schedule >= 2 and _tma_ready((q, k, v, grad_out), attn_mask)
+    if use_tma and not interpreting():
+        triton.set_allocator(_tma_scratch)
+    bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, USE_TMA=use_tma,
+               **flags)
+    key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
+    # the dQ programs' tile is transposed
+    query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.bwd_block_n))
+    if tiles.backward_schedule in (1, 3) and k.shape[1] > 0:
         attention_bwd_kernel[(key_programs * p.nheads_k + query_programs * p.nheads, p.batch)](
             q, k, v, grad_out, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k,
             *inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
