@@ -47,7 +47,8 @@ FORWARD_SCHEDULES = {
     0: "attention_fwd_kernel, pointer loads",
     1: "attention_fwd_tma_kernel, TMA descriptors, when strides are 16-byte aligned and there is no attn_mask",
     2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no "
-        "attn_mask (opt-in: one rerun in ~6 x 10^5 differed bitwise on an H200 under triton 3.6)"),
+        "attn_mask (opt-in and experimental: under triton 3.6 on an H200, beside other GPU processes, 10 of "
+        "306,360 reruns returned NaN; it warns when it runs)"),
 }
 
 BACKWARD_SCHEDULES = {
@@ -74,10 +75,10 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       N = 4k keys (a gain in 6 of 8 cells); at N = 1k they lost 4-15% (presumably the in-kernel
       descriptor set-up of every short program; not verified). The warp-specialized loop (schedule 2,
       128 x 128, 4 warps, 2 stages) is the fastest forward measured at d = 128 without a band (+14-16%
-      over this table, two grids of 2026-11-29), but it stays opt-in: under triton 3.6 one of 6 x 10^5
-      reruns beside the GPU suite on 14 workers returned a different out (an unexplained race). (Its
-      128-row tiles' wrong masked scores and lse rows, a compiler pass's double offset, are fixed in
-      fwd_tma.py since session 6.)
+      over this table, two grids of 2026-11-29), but it stays opt-in and warns: under triton 3.6, rerun
+      beside other GPU processes, one of 6 x 10^5 runs returned a different out (session 5), and with
+      session 6's fix of its 128-row tiles' query positions (fwd_tma.py) 10 of 306,360 returned NaN,
+      clustered in time across three processes (an unexplained race).
     - Hopper backward for fp16/bf16, d = 128: 64 query rows against 128 keys, 8 warps, 3 stages, the
       dK/dV and dQ programs in one launch: +4% to +10% fwd+bwd over 32 x 64 with 4 warps in two
       launches at 1k non-causal, 4k and 16k; at 1k causal +2% or +24% against the old tile's two runs

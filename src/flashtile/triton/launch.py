@@ -9,6 +9,7 @@ dtype; lse (batch, nheads, seqlen_q) is contiguous float32, natural log.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,13 @@ def _tma_ready(tensors, attn_mask) -> bool:
     return True
 
 
+# once per process (Python's default warning filter): the opt-in schedule 2 is not safe to train with
+WARP_SPECIALIZED_WARNING = (
+    "forward_schedule=2 (warp-specialized, opt-in) is experimental: on an H200 under triton 3.6, reruns beside "
+    "other GPU processes returned NaN in out and inf in lse 10 times in 306,360 (BENCHMARKS.md, sixth session); "
+    "use the default table for anything that matters")
+
+
 def _tma_scratch(size: int, alignment: int, stream):
     # in-kernel tensor descriptors need a little global scratch memory from the caller
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -163,6 +171,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
         if not interpreting():
             triton.set_allocator(_tma_scratch)
+            if tiles.forward_schedule == 2:
+                warnings.warn(WARP_SPECIALIZED_WARNING, RuntimeWarning, stacklevel=2)
         del flags["MASK_KIND"]
         attention_fwd_tma_kernel[grid](
             q, k, v, out, lse, slopes,
