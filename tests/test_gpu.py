@@ -102,13 +102,6 @@ def test_warp_specialized_forward_at_its_fastest_tiles(case, dtype, seed):
                                             seed)
 
 
-def test_warp_specialized_forward_warns_that_it_is_experimental():
-    q, k, v = random_qkv(1, 256, 256, 2, 2, 128, 128, torch.bfloat16)
-    with flashtile.use_backend("triton", **WS_TILES):
-        with pytest.warns(RuntimeWarning, match=r"forward_schedule=2 .* NaN"):
-            flashtile.flash_attn_func(q, k, v)
-
-
 def test_warp_specialized_forward_with_64_row_tiles_keeps_the_band(seed):
     """64-row tiles (one consumer warpgroup) with a band, at a realistic length."""
     q, k, v = random_qkv(1, 256, 256, 2, 2, 128, 128, torch.bfloat16)

@@ -93,6 +93,13 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))
 
 
+def test_warp_specialized_forward_warns_that_it_is_experimental():
+    q, k, v = random_qkv(1, 40, 40, 2, 2, 16, 16, torch.float16)
+    with flashtile.use_backend("triton", forward_schedule=2):
+        with pytest.warns(RuntimeWarning, match=r"forward_schedule=2 .* NaN"):
+            flashtile.flash_attn_func(q, k, v)
+
+
 WS_POSITION_CASES = {"causal": {"causal": True}, "window": {"window_size": (100, 20)},
                      "alibi": {"alibi_slopes": "random"}, "ragged-ends": {}}
 

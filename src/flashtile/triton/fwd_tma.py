@@ -78,7 +78,8 @@ def attention_fwd_tma_kernel(
                                        strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
     o_desc = tl.make_tensor_descriptor(Out + b * stride_ob + h * stride_oh, shape=[seqlen_q, HEADDIM_V],
                                        strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_DV])
-    # equal to m0; a value of its own so that warp specialization offsets the descriptors' rows, not offs_m
+    # Workaround (triton 3.6 and 3.9, 2026-11-29): equal to m0, but a value of its own, so that warp
+    # specialization offsets the descriptors' rows and not offs_m (see the module docstring)
     m0_desc = tl.minimum(m0, seqlen_q)
     q = q_desc.load([m0_desc, 0])
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)

@@ -171,8 +171,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
         if not interpreting():
             triton.set_allocator(_tma_scratch)
-            if tiles.forward_schedule == 2:
-                warnings.warn(WARP_SPECIALIZED_WARNING, RuntimeWarning, stacklevel=2)
+        if tiles.forward_schedule == 2:
+            warnings.warn(WARP_SPECIALIZED_WARNING, RuntimeWarning, stacklevel=2)
         del flags["MASK_KIND"]
         attention_fwd_tma_kernel[grid](
             q, k, v, out, lse, slopes,
