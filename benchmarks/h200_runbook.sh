@@ -15,8 +15,9 @@
 #                                             # log-uniform vs equal lengths, backward tiles, kernel times
 #   bash benchmarks/h200_runbook.sh forward   # forward tiles where flashtile trails FlexAttention (d 64 with
 #                                             # FlexAttention's 128 x 128 / 4 warps; d 128 at 1k and 4k)
-#   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) rerun from three
-#                                             # processes beside the GPU suite, counting runs that differ bitwise
+#   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
+#                                             # forward + backward rerun beside the GPU suite, counting runs that
+#                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
 stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward or wsstress}
@@ -93,7 +94,10 @@ case $stage in
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \
       --ignore=tests/test_triton_compile.py > "$out/tests.txt" 2>&1 &
-    for i in 1 2 3; do timeout 330 python benchmarks/ws_determinism.py --stress 300 > "$out/stress$i.txt" 2>&1 & done
+    # two processes on the table's TMA forward + backward (default at d = 128 from 4k keys), two on schedule 2
+    for i in 1 2; do timeout 330 python benchmarks/ws_determinism.py --stress 300 --target table-tma \
+      > "$out/stress-tma$i.txt" 2>&1 & done
+    for i in 1 2; do timeout 330 python benchmarks/ws_determinism.py --stress 300 > "$out/stress$i.txt" 2>&1 & done
     wait
     tail -2 "$out/tests.txt"; grep -h "stress:\|differs" "$out"/stress*.txt ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

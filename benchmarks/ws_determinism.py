@@ -10,8 +10,11 @@ key end; errors ~0.15): this script found it, and shows the fix (fwd_tma.py, m0_
     python benchmarks/ws_determinism.py --stress 120   # reruns for 120 s
 
 --stress reruns the warp-specialized forward at its fastest tiles (d = 128, whole key blocks, no band) on two
-shapes for the given seconds and counts the runs that differ bitwise from the first; run several at once,
-or beside other GPU work, to look for a race that only shows under contention.
+shapes (with --target table-tma: the table's TMA forward and backward at 4k keys) for the given seconds and
+counts the runs that differ bitwise from the first; run several at once, or beside other GPU work, to look for
+a race that only shows under contention.
+
+    python benchmarks/ws_determinism.py --stress 120 --target table-tma
 """
 
 from __future__ import annotations
@@ -37,37 +40,57 @@ SHAPES = [  # batch, seqlen, nheads, nheads_k, headdim, causal
 WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_stages=2)  # the fastest measured
 
 
-def stress(seconds: float) -> None:
-    """Rerun the warp-specialized forward (128 x 128 tiles, where it needs no element mask) for `seconds`;
-    report the runs whose out or lse differ bitwise from the first, and by how much."""
+# what --stress reruns: the warp-specialized forward at its fastest tiles, or the table's TMA schedules
+# (forward schedule 1 and backward schedule 3, d = 128 from 4k keys), whose in-kernel descriptors are the
+# other suspect for the warp-specialized schedule's race
+STRESS_TARGETS = {"ws": (WS_TILES, False), "table-tma": ({}, True)}
+
+
+def stress(seconds: float, target: str = "ws") -> None:
+    """Rerun `target` for `seconds`: the warp-specialized forward (128 x 128 tiles, no element mask), or the
+    table's forward + backward at 4k keys (TMA forward and backward); report the runs whose out or lse (and
+    gradients) differ bitwise from the first, and by how much."""
+    tiles, backward = STRESS_TARGETS[target]
     device = torch.device("cuda")
     torch.manual_seed(0)
+    shapes = ((2, 2048, 16, 4), (4, 1024, 16, 16)) if not backward else ((1, 4096, 16, 4), (2, 4096, 8, 8))
+
+    def call(q, k, v):
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True)
+        if not backward:
+            return out, lse
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
     cases = []
-    for batch, seqlen, nheads, nheads_k in ((2, 2048, 16, 4), (4, 1024, 16, 16)):
-        q, k, v = (torch.randn(batch, seqlen, heads, 128, device=device, dtype=torch.bfloat16)
-                   for heads in (nheads, nheads_k, nheads_k))
-        with flashtile.use_backend("triton", **WS_TILES):
-            cases.append(((q, k, v), flashtile.flash_attn_func(q, k, v, return_lse=True)))
+    for batch, seqlen, nheads, nheads_k in shapes:
+        q, k, v = (torch.randn(batch, seqlen, heads, 128, device=device, dtype=torch.bfloat16,
+                               requires_grad=backward) for heads in (nheads, nheads_k, nheads_k))
+        with flashtile.use_backend("triton", **tiles):
+            cases.append(((q, k, v), call(q, k, v)))
     runs = differing = 0
     end = time.monotonic() + seconds
-    with flashtile.use_backend("triton", **WS_TILES):
+    with flashtile.use_backend("triton", **tiles):
         while time.monotonic() < end:
-            for inputs, (out, lse) in cases:
-                got_out, got_lse = flashtile.flash_attn_func(*inputs, return_lse=True)
+            for inputs, first in cases:
+                got = call(*inputs)
                 runs += 1
-                if not (torch.equal(got_out, out) and torch.equal(got_lse, lse)):
+                if not all(torch.equal(a, b) for a, b in zip(got, first)):
                     differing += 1
-                    print(f"run {runs} differs: max |out - first| {(got_out.float() - out.float()).abs().max():.3e}, "
-                          f"max |lse - first| {(got_lse - lse).abs().max():.3e}", flush=True)
-    print(f"stress: {runs} runs of the warp-specialized forward {WS_TILES}, {differing} differ bitwise from the first",
-          flush=True)
+                    gaps = ", ".join(f"{name} {(a.float() - b.float()).abs().max():.3e}"
+                                     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, first))
+                    print(f"run {runs} differs: max |x - first|: {gaps}", flush=True)
+    print(f"stress: {runs} runs of {target} {tiles or 'the table'}{' with backward' if backward else ''}, "
+          f"{differing} differ bitwise from the first", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--stress", type=float, default=0.0, help="seconds of reruns of the table's choice")
-    if (seconds := parser.parse_args().stress) > 0:
-        stress(seconds)
+    parser.add_argument("--stress", type=float, default=0.0, help="seconds of reruns (see --target)")
+    parser.add_argument("--target", default="ws", choices=sorted(STRESS_TARGETS),
+                        help="ws: the warp-specialized forward; table-tma: the table's TMA forward + backward")
+    args = parser.parse_args()
+    if args.stress > 0:
+        stress(args.stress, args.target)
         return
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
