@@ -174,6 +174,28 @@ def _with_backward_schedule(schedule, fn):
         return (out, lse) + tuple(attention_grads(out, lse, inputs, grad_out, grad_lse))
 
 
+def _scenario_call(scenario, shape, dtype):
+    """Inputs for SCENARIOS[scenario] on SHAPES[shape] and a call returning (out, lse, (q, k, v))."""
+    kwargs = SCENARIOS[scenario](SHAPES[shape])
+    q, k, v = random_qkv(*SHAPES[shape], dtype, requires_grad=True)
+
+    def call():
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+        return out, lse, (q, k, v)
+
+    return q, k, v, kwargs, call
+
+
+def _assert_eager_rule_under_backward_schedule(schedule, q, k, v, kwargs, dtype, seed):
+    """flash_attn_func under backward schedule `schedule` (ragged 16 x 32 backward tiles): out, lse and the
+    gradients within the eager rule against float64."""
+    with flashtile.use_backend("triton", backward_schedule=schedule, bwd_block_m=16, bwd_block_n=32):
+        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
+                                            seed)
+
+
 def _assert_one_launch_equals_two(monkeypatch, fn, atol_on_gpu):
     """Schedule 1 against schedule 0 for fn(): bitwise in the interpreter (the same arithmetic per program),
     within atol_on_gpu on a GPU (two compiled kernels may order their instructions differently); schedule 1
@@ -195,19 +217,9 @@ def test_one_launch_backward_follows_the_eager_rule_and_equals_two_launches(monk
     """Backward schedule 1 (attention_bwd_kernel) runs the same per-program arithmetic as schedule 0:
     bitwise the same gradients in the interpreter, the eager rule against float64 everywhere."""
     dtype = torch.float16
-    kwargs = SCENARIOS[scenario](SHAPES[shape])
-    q, k, v = random_qkv(*SHAPES[shape], dtype, requires_grad=True)
-
-    def call():
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-        return out, lse, (q, k, v)
-
+    q, k, v, kwargs, call = _scenario_call(scenario, shape, dtype)
     _assert_one_launch_equals_two(monkeypatch, call, atol_on_gpu=None)  # fp16 on a GPU: the eager rule below
-    with flashtile.use_backend("triton", backward_schedule=1, bwd_block_m=16, bwd_block_n=32):
-        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
-                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
-                                            seed)
+    _assert_eager_rule_under_backward_schedule(1, q, k, v, kwargs, dtype, seed)
 
 
 @pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
@@ -230,13 +242,7 @@ def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatc
     columns past a padded head dim zero-filled by the copy engine), otherwise the arithmetic of 0 / 1: bitwise
     the same gradients in the interpreter, the eager rule against float64 everywhere; the TMA path must run."""
     dtype = torch.float16
-    kwargs = SCENARIOS[scenario](SHAPES[shape])
-    q, k, v = random_qkv(*SHAPES[shape], dtype, requires_grad=True)
-
-    def call():
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-        return out, lse, (q, k, v)
-
+    q, k, v, kwargs, call = _scenario_call(scenario, shape, dtype)
     pointer = _with_backward_schedule(int(one_launch), call)
     names = ("attention_bwd_kernel",) if one_launch else ("attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel")
     recorders = [_RecordingKernel(getattr(launch, name)) for name in names]
@@ -247,11 +253,7 @@ def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatc
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
         if INTERPRETED:
             assert torch.equal(a, b), f"{name} differs between TMA and pointer loads"
-    with flashtile.use_backend("triton", backward_schedule=2 + int(one_launch), bwd_block_m=16, bwd_block_n=32):
-        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
-                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
-                                            seed)
+    _assert_eager_rule_under_backward_schedule(2 + int(one_launch), q, k, v, kwargs, dtype, seed)
 
 
 @pytest.mark.parametrize("lengths", ("mixed", "decode-like"))

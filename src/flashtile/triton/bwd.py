@@ -74,6 +74,15 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, CHECK_ROWS: tl.const
 
 
 @triton.jit
+def _head_view(base, rows, stride_row, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_WIDTH: tl.constexpr):
+    """A TMA descriptor over one head's [rows, WIDTH] matrix at base: the copy engine zero-fills rows past the
+    end and columns past WIDTH. A descriptor needs every dimension >= 1, so an empty packed sequence gets a
+    1-row view, which nothing reads (no block of the other side reaches it)."""
+    return tl.make_tensor_descriptor(base, shape=[tl.maximum(rows, 1), WIDTH], strides=[stride_row, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_WIDTH])
+
+
+@triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
                  stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale,
                  softcap_out, slope, diagonal_offset, window_left, window_right,
@@ -143,14 +152,8 @@ def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, 
         q_src = Q + h * stride_qh
         do_src = dOut + h * stride_doh
         if USE_TMA:
-            # one [seqlen_q, headdim] view of this head's rows; the copy engine zero-fills past the end. A
-            # descriptor needs every dimension >= 1: a packed sequence without queries gets a 1-row view, never
-            # read (no query block reaches its keys)
-            rows_q = tl.maximum(seqlen_q, 1)
-            q_src = tl.make_tensor_descriptor(q_src, shape=[rows_q, HEADDIM], strides=[stride_qm, 1],
-                                              block_shape=[BLOCK_M, BLOCK_D])
-            do_src = tl.make_tensor_descriptor(do_src, shape=[rows_q, HEADDIM_V], strides=[stride_dom, 1],
-                                               block_shape=[BLOCK_M, BLOCK_DV])
+            q_src = _head_view(q_src, seqlen_q, stride_qm, HEADDIM, BLOCK_M, BLOCK_D)
+            do_src = _head_view(do_src, seqlen_q, stride_dom, HEADDIM_V, BLOCK_M, BLOCK_DV)
         row_base = b * stride_lse_b + h * stride_lse_h + q_start
         mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[:, None].to(tl.int64) * stride_mask_n
         slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
@@ -312,13 +315,8 @@ def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q
     k_src = K + hk * stride_kh
     v_src = V + hk * stride_vh
     if USE_TMA:
-        # [seqlen_k, headdim] views of the K/V head's rows; rows past the end read as zeros (a sequence
-        # without keys gets a 1-row view, never read: it has no key blocks)
-        rows_k = tl.maximum(seqlen_k, 1)
-        k_src = tl.make_tensor_descriptor(k_src, shape=[rows_k, HEADDIM], strides=[stride_kn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_src, shape=[rows_k, HEADDIM_V], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DV])
+        k_src = _head_view(k_src, seqlen_k, stride_kn, HEADDIM, BLOCK_N, BLOCK_D)
+        v_src = _head_view(v_src, seqlen_k, stride_vn, HEADDIM_V, BLOCK_N, BLOCK_DV)
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
