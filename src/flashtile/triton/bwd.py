@@ -201,7 +201,8 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV,
     dk_ptr = dK + b * stride_dkb + k_start * stride_dkn
     dv_ptr = dV + b * stride_dvb + k_start * stride_dvn
     if VARLEN:
-        # the grid covers max_seqlen_k, a hint: a longer sequence's extra blocks are taken in turn
+        # the grid covers max_seqlen_k (a hint), at most launch.VARLEN_GRID_ROWS keys: a longer sequence's
+        # extra blocks are taken in turn
         for n0 in range(pid_n * BLOCK_N, seqlen_k, key_programs * BLOCK_N):
             _dkdv_key_block(n0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b, hk,
                             q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
