@@ -100,8 +100,10 @@ def test_warp_specialized_forward_warns_that_it_is_experimental():
             flashtile.flash_attn_func(q, k, v)
 
 
-WS_POSITION_CASES = {"causal": {"causal": True}, "window": {"window_size": (100, 20)},
-                     "alibi": {"alibi_slopes": "random"}, "ragged-ends": {}}
+WS_POSITION_SHAPE = (2, 301, 333, 4, 2, 64, 64)  # seqlen_q % 4 != 0, ragged key end
+WS_POSITION_CASES = {"causal": SCENARIOS["causal"], "window": lambda shape: {"window_size": (100, 20)},
+                     "alibi": lambda shape: {"alibi_slopes": torch.rand(shape[0], shape[3], device=DEVICE)},
+                     "ragged-ends": SCENARIOS["plain"]}
 
 
 @pytest.mark.parametrize("case", WS_POSITION_CASES.values(), ids=WS_POSITION_CASES.keys())
@@ -112,10 +114,8 @@ def test_warp_specialized_128_row_tiles_use_the_right_query_positions(case, seed
     tile too far on an H200) until fwd_tma.py gave the descriptors a row value of their own. Three runs:
     the misplaced lse rows had raced with the next tile's."""
     dtype = torch.float16
-    q, k, v = random_qkv(2, 301, 333, 4, 2, 64, 64, dtype)
-    kwargs = dict(case)
-    if kwargs.get("alibi_slopes") == "random":
-        kwargs["alibi_slopes"] = torch.rand(2, 4, device=DEVICE, dtype=torch.float32)
+    q, k, v = random_qkv(*WS_POSITION_SHAPE, dtype)
+    kwargs = case(WS_POSITION_SHAPE)
     with flashtile.use_backend("triton", forward_schedule=2, block_m=128, block_n=64, num_warps=4, num_stages=2):
         runs = [flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs) for _ in range(3)]
     for out, lse in runs[1:]:

@@ -17,8 +17,8 @@ but makes every gradient bitwise reproducible.
 With USE_TMA (backward schedules 2 and 3) the tiles a program streams (Q and dO in dK/dV, K and V in dQ)
 come from in-kernel tensor descriptors, one [seqlen, headdim] view per head, instead of pointer tiles:
 the copy engine zero-fills rows past the sequence's end and columns past a padded head dim, and the
-loop keeps no per-element addresses or bounds in registers (on an H200, d = 128: fewer spills and +5%
-to +8% from 4k keys; BENCHMARKS.md). The arithmetic is the same.
+loop keeps no per-element addresses or bounds in registers (on an H200, d = 128: fewer spills, and +1%
+to +7% from 4k keys; BENCHMARKS.md). The arithmetic is the same.
 
 Packed variable-length batches (VARLEN) work as in fwd.py: batch entry b is sequence b of the
 packed tensors, and each program loops over its sequence's real blocks. The preprocess kernel needs
@@ -201,7 +201,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV,
     dk_ptr = dK + b * stride_dkb + k_start * stride_dkn
     dv_ptr = dV + b * stride_dvb + k_start * stride_dvn
     if VARLEN:
-        # the grid covers max_seqlen_k (a hint), at most launch.VARLEN_GRID_ROWS keys: a longer sequence's
+        # the grid covers max_seqlen_k (a hint), at most configs.VARLEN_GRID_ROWS keys: a longer sequence's
         # extra blocks are taken in turn
         for n0 in range(pid_n * BLOCK_N, seqlen_k, key_programs * BLOCK_N):
             _dkdv_key_block(n0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b, hk,

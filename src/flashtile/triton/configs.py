@@ -36,6 +36,16 @@ class TritonTiles:
     # streamed Q/dO (dK/dV programs) and K/V (dQ programs) tiles loaded by TMA (bwd.py)
     backward_schedule: int = 0
 
+    @property
+    def backward_one_launch(self) -> bool:
+        """Backward schedules 1 and 3: the dK/dV and dQ programs in one launch (attention_bwd_kernel)."""
+        return self.backward_schedule in (1, 3)
+
+    @property
+    def backward_tma(self) -> bool:
+        """Backward schedules 2 and 3: the streamed tiles by TMA where the tensors allow it (launch.backward)."""
+        return self.backward_schedule >= 2
+
     def describe(self, problem: AttentionProblem) -> str:
         return (f"forward ({FORWARD_SCHEDULES[self.forward_schedule]}) BLOCK_M {self.block_m} x BLOCK_N "
                 f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages; backward "
@@ -62,6 +72,13 @@ BACKWARD_SCHEDULES = {
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
 
+# Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and
+# dQ grids, keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch a full
+# column of programs for every short sequence that exit at once. H200, d = 128, 64 log-uniform lengths up to
+# 8,076 (session 6, BENCHMARKS.md): covering 2,048 rows instead of 8,076, fwd+bwd +1.2% non-causal, +2.0%
+# causal; 4,096 -0.6% / +1.2%; 1,024 -2.8% / -1.7% (long sequences' programs then loop 8 times, in the tail).
+VARLEN_GRID_ROWS = 2048
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -83,10 +100,10 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       dK/dV and dQ programs in one launch: +4% to +10% fwd+bwd over 32 x 64 with 4 warps in two
       launches at 1k non-causal, 4k and 16k; at 1k causal +2% or +24% against the old tile's two runs
       (host noise); 2 stages had been within 3% of the old tile. From 4k keys the streamed tiles
-      come by TMA (schedule 3: +5% to +8% at 4k / 16k, session 6); 32 x 128 lost 9-11%; the dK/dV
+      come by TMA (schedule 3, session 6: +1% to +7% at 4k / 16k); 32 x 128 lost 9-11%; the dK/dV
       and dQ program bodies as separate (noinline) functions lost 8-11% (ptxas serialises wgmma
       across a call). d = 64: the old 32 x 128 tile in one launch, +1% to +4% below 16k keys, -2% to
-      +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -8% to +2%.
+      +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%.
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """
@@ -107,9 +124,10 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
             # 0.95x / 0.87x, non-causal / causal; with equal lengths, causal 0.91x against 0.81x; in the SASS
             # the packed causal one-launch kernel's dK/dV loop spills 2.5x more than the dense one's: a lead).
-            # Dense batches take TMA loads from 4k keys (session 6: +5% to +8% backward at 4k / 16k, +1% at 4k
-            # causal; at 1k -6% causal, +1% non-causal); packed batches lost with them (fwd+bwd 0.84x against
-            # 0.89x the dense rate, causal; 0.88x against 0.90x non-causal), so they keep the pointer loads
+            # Dense batches take TMA loads from 4k keys (session 6, backward: +6.5% / +7.4% non-causal at 4k /
+            # 16k, +1.3% / +5.1% causal; at 1k -6% causal, +1% non-causal); packed batches lost with them
+            # (fwd+bwd 0.84x against 0.89x the dense rate, causal; 0.88x against 0.90x non-causal), so they keep
+            # the pointer loads
             long_keys = problem.seqlen_k >= 4096
             backward_schedule = 0 if problem.varlen else (3 if long_keys else 1)
             return TritonTiles(128, 64, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,

@@ -130,7 +130,7 @@ def attention_fwd_kernel(
     o_ptr = Out + b * stride_ob + q_start * stride_om
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
     if VARLEN:
-        # the grid covers max_seqlen_q (a hint), at most launch.VARLEN_GRID_ROWS rows: a longer sequence's
+        # the grid covers max_seqlen_q (a hint), at most configs.VARLEN_GRID_ROWS rows: a longer sequence's
         # extra blocks are taken in turn
         for m0 in range(pid_m * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
             _forward_query_block(m0, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, q_start, k_start, b, h, hk, slope,

@@ -19,6 +19,7 @@ from .._validate import AttentionProblem
 from .common import LOG2E
 from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
                   attention_bwd_preprocess_kernel)
+from . import configs
 from .configs import TritonTiles
 from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .configs import interpreting
@@ -124,16 +125,9 @@ def _packing(q, k, cu_seqlens_q, cu_seqlens_k):
     return cu_seqlens_q, cu_seqlens_k, True, 0, 0
 
 
-# Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and
-# dQ grids, keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch a full
-# column of programs for every short sequence that exit at once. H200, d = 128, 64 log-uniform lengths up to
-# 8,076 (session 6, BENCHMARKS.md): covering 2,048 rows instead of 8,076, fwd+bwd +1.2% non-causal, +2.0%
-# causal; 4,096 +-1%; 1,024 -3% (long sequences' programs then loop 8 times, in the tail).
-VARLEN_GRID_ROWS = 2048
-
-
 def _grid_rows(seqlen_hint: int, varlen: bool) -> int:
-    return min(seqlen_hint, VARLEN_GRID_ROWS) if varlen else seqlen_hint
+    """Rows of each sequence the grid covers: the hint, capped for packed batches (configs.VARLEN_GRID_ROWS)."""
+    return min(seqlen_hint, configs.VARLEN_GRID_ROWS) if varlen else seqlen_hint
 
 
 def _row_strides(t: torch.Tensor, batch_stride: int) -> tuple[int, int, int]:
@@ -221,7 +215,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
                                           _row_strides(dv, batch_k))
     stats = (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides)
-    use_tma = tiles.backward_schedule >= 2 and _tma_ready((q, k, v, grad_out), attn_mask)
+    use_tma = tiles.backward_tma and _tma_ready((q, k, v, grad_out), attn_mask)
     if use_tma and not interpreting():
         triton.set_allocator(_tma_scratch)
     bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, USE_TMA=use_tma,
@@ -229,7 +223,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
     # the dQ programs' tile is transposed
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.bwd_block_n))
-    if tiles.backward_schedule in (1, 3) and k.shape[1] > 0:
+    if tiles.backward_one_launch and k.shape[1] > 0:
         attention_bwd_kernel[(key_programs * p.nheads_k + query_programs * p.nheads, p.batch)](
             q, k, v, grad_out, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k,
             *inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
