@@ -41,8 +41,8 @@ WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_s
 
 
 # what --stress reruns: the warp-specialized forward at its fastest tiles, or the table's TMA schedules
-# (forward schedule 1 and backward schedule 3, d = 128 from 4k keys), whose in-kernel descriptors are the
-# other suspect for the warp-specialized schedule's race
+# (forward schedule 1 with host-side descriptors since session 7; backward schedule 3, d = 128 from 4k keys,
+# whose descriptors are built in the kernel), as a control for the warp-specialized schedule's race
 STRESS_TARGETS = {"ws": (WS_TILES, False), "table-tma": ({}, True)}
 
 

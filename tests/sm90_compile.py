@@ -75,11 +75,14 @@ def main():
                                             VARLEN=varlen), fwd_ptrs, 8, 3))
         # schedule 1 as the table runs it; schedule 2 (opt-in) at its 128-row tiles, with the band on every tile
         for schedule, block_n, warps, stages in ((1, 64, 8, 3), (2, 128, 4, 2)):
+            # host-side descriptors: (batch, heads, rows, dim) views, one head's tile per box
+            descriptors = {"q_desc": f"tensordesc<{dtype}[1,1,128,{width}]>",
+                           "k_desc": f"tensordesc<{dtype}[1,1,{block_n},{width}]>",
+                           "v_desc": f"tensordesc<{dtype}[1,1,{block_n},{width}]>"}
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}", attention_fwd_tma_kernel,
                 dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal),
-                {k: v for k, v in fwd_ptrs.items() if k not in ("Mask", "CuSeqlensQ", "CuSeqlensK")}, warps,
-                stages))
+                dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32"), warps, stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))

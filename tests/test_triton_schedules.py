@@ -3,6 +3,8 @@ specialization) and backward (two launches, or the dK/dV and dQ programs in one)
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -66,6 +68,18 @@ def test_masks_and_unaligned_strides_keep_the_pointer_kernel(seed):
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_tma_forward_without_keys_gives_empty_rows():
+    """A host-side descriptor needs every dimension >= 1: with no keys the pointer kernel writes the rows
+    (out 0, lse -inf), whatever the forward schedule."""
+    q = torch.randn(2, 5, 2, 16, device=DEVICE)
+    k = torch.randn(2, 0, 2, 16, device=DEVICE)
+    for schedule in (1, 2):
+        with flashtile.use_backend("triton", forward_schedule=schedule), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # schedule 2's warning
+            out, lse = flashtile.flash_attn_func(q, k, k, return_lse=True)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.all(lse == float("-inf")), schedule
+
+
 def _table_problem(seqlen: int, headdim: int, dtype=torch.bfloat16):
     """A dense self-attention problem as the tile table sees it (the device does not matter to it)."""
     from flashtile._validate import AttentionProblem
@@ -77,17 +91,25 @@ def _table_problem(seqlen: int, headdim: int, dtype=torch.bfloat16):
 
 
 def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
-    """sm_90, fp16/bf16, >= 4k keys, dense: schedule 1; shorter, other GPUs, fp32, packed: the pointer kernel.
+    """sm_90, fp16/bf16, dense: schedule 1 at every length; other GPUs, fp32, packed: the pointer kernel.
     The warp-specialized schedule 2 is never the table's choice (opt-in: a rare race under triton 3.6)."""
     import dataclasses
 
     from flashtile.triton.configs import default_tiles
 
     base = _table_problem(8192, 128)
-    assert default_tiles(base, (9, 0)).forward_schedule == 1
-    assert default_tiles(dataclasses.replace(base, headdim=64, headdim_v=64), (9, 0)).forward_schedule == 1
-    for other in (dataclasses.replace(base, seqlen_k=2048), dataclasses.replace(base, dtype=torch.float32),
-                  dataclasses.replace(base, varlen=True)):
+    for seqlen_k in (64, 1024, 8192):
+        for width in (64, 128):
+            dense = dataclasses.replace(base, seqlen_k=seqlen_k, headdim=width, headdim_v=width)
+            assert default_tiles(dense, (9, 0)).forward_schedule == 1, dense
+    # d = 64: 8 warps, but 4 for a band below 4k keys
+    d64 = dataclasses.replace(base, headdim=64, headdim_v=64)
+    assert default_tiles(d64, (9, 0)).num_warps == 8
+    assert default_tiles(dataclasses.replace(d64, seqlen_k=1024, window_right=0), (9, 0)).num_warps == 4
+    # d = 128 without a band: 128-key blocks; with a band: 64
+    assert default_tiles(base, (9, 0)).block_n == 128
+    assert default_tiles(dataclasses.replace(base, window_right=0), (9, 0)).block_n == 64
+    for other in (dataclasses.replace(base, dtype=torch.float32), dataclasses.replace(base, varlen=True)):
         assert default_tiles(other, (9, 0)).forward_schedule == 0, other
     assert default_tiles(base, (8, 0)).forward_schedule == 0
     assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))

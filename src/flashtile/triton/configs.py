@@ -55,10 +55,11 @@ class TritonTiles:
 
 FORWARD_SCHEDULES = {
     0: "attention_fwd_kernel, pointer loads",
-    1: "attention_fwd_tma_kernel, TMA descriptors, when strides are 16-byte aligned and there is no attn_mask",
-    2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned and there is no "
-        "attn_mask (opt-in and experimental: under triton 3.6 on an H200, beside other GPU processes, 10 of "
-        "306,360 reruns returned NaN; it warns when it runs)"),
+    1: ("attention_fwd_tma_kernel, host-side TMA descriptors, when strides are 16-byte aligned, the batch is "
+        "dense, there are keys and there is no attn_mask"),
+    2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned, the batch is "
+        "dense, there are keys and there is no attn_mask (opt-in and experimental: under triton 3.6 on an H200, "
+        "beside other GPU processes, 3 of 382,482 reruns returned NaN; it warns when it runs)"),
 }
 
 BACKWARD_SCHEDULES = {
@@ -88,14 +89,20 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     """The table. capability is the CUDA compute capability, or None under the interpreter.
 
     Measured on the H200 (BENCHMARKS.md, 2026-11-29 sweeps, bf16, d = 64 and 128, N = 1k..16k):
-    - Hopper forward for fp16/bf16: TMA loads with 8 warps changed the forward by -2% to +8% from
-      N = 4k keys (a gain in 6 of 8 cells); at N = 1k they lost 4-15% (presumably the in-kernel
-      descriptor set-up of every short program; not verified). The warp-specialized loop (schedule 2,
-      128 x 128, 4 warps, 2 stages) is the fastest forward measured at d = 128 without a band (+14-16%
-      over this table, two grids of 2026-11-29), but it stays opt-in and warns: under triton 3.6, rerun
-      beside other GPU processes, one of 6 x 10^5 runs returned a different out (session 5), and with
-      session 6's fix of its 128-row tiles' query positions (fwd_tma.py) 10 of 306,360 returned NaN,
-      clustered in time across three processes (an unexplained race).
+    - Hopper forward for fp16/bf16, dense batches: TMA loads (schedule 1) at every length. Until
+      session 7 the kernel built its descriptors itself and lost 4-15% to the pointer kernel at 1k
+      keys; with host-side descriptors it gained 11-62% there and beats the pointer kernel (d = 128
+      +9% / +11%, d = 64 +4% / +6%, non-causal / causal, same run). 8 warps, 128 query rows; d = 128
+      without a band or mask takes 128-key blocks (403 / 487 TFLOP/s at 1k / 4k against 390 / 472 with
+      64), banded problems 64-key blocks; d = 64 takes 64-key blocks (8 warps 368 against 4 warps 355 at 1k,
+      but banded problems below 4k keys keep 4 warps: 264-266 against 254 at 1k causal).
+    - The warp-specialized loop (schedule 2, 128 x 128, 4 warps, 2 stages) is the fastest forward
+      measured at d = 128 without a band (450 / 521 / 531 TFLOP/s at 1k / 4k / 16k in session 7), but it
+      stays opt-in and warns: under triton 3.6, rerun beside other GPU processes, one of 6 x 10^5 runs
+      returned a different out (session 5); with session 6's fix of its 128-row tiles' query positions
+      (fwd_tma.py) 11 of 530,172 returned NaN, clustered in time across processes; with host-side K/V
+      descriptors and a pointer store of out (session 7) still 3 of 382,482 (an unexplained race; the
+      in-kernel descriptors of K, V and out were not its cause).
     - Hopper backward for fp16/bf16, d = 128: 64 query rows against 128 keys, 8 warps, 3 stages, the
       dK/dV and dQ programs in one launch: +4% to +10% fwd+bwd over 32 x 64 with 4 warps in two
       launches at 1k non-causal, 4k and 16k; at 1k causal +2% or +24% against the old tile's two runs
@@ -112,13 +119,16 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     width = max(problem.headdim, problem.headdim_v)
     hopper_16bit = capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
     # packed sequences keep to the pointer kernel (its programs follow each sequence's own length)
-    hopper_forward = hopper_16bit and problem.seqlen_k >= 4096 and not problem.varlen
+    hopper_forward = hopper_16bit and not problem.varlen
     forward_schedule = 1 if hopper_forward else 0
     if width <= 64:
         one_launch = hopper_16bit and problem.seqlen_k < 16384
-        if hopper_forward:
-            return TritonTiles(128, 64, 8, 3, 32, 128, 4, 3, forward_schedule=1, backward_schedule=int(one_launch))
-        return TritonTiles(128, 64, 4, 3, 32, 128, 4, 3, backward_schedule=int(one_launch))
+        # the TMA forward with 8 warps (session 7, 1k keys: 368 TFLOP/s against 355 with 4 warps, non-causal),
+        # but 4 warps for banded problems below 4k keys (1k causal: 264-266 in three runs against 254 with 8)
+        banded_short = problem.is_banded and problem.seqlen_k < 4096
+        warps = 8 if hopper_forward and not banded_short else 4
+        return TritonTiles(128, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
+                           backward_schedule=int(one_launch))
     if width <= 128:
         if hopper_16bit:
             # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
@@ -130,7 +140,11 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # the pointer loads
             long_keys = problem.seqlen_k >= 4096
             backward_schedule = 0 if problem.varlen else (3 if long_keys else 1)
-            return TritonTiles(128, 64, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,
+            # the TMA forward without a band: 128-key blocks (session 7, non-causal: 403 / 487 TFLOP/s at 1k /
+            # 4k against 390 / 472 with 64-key blocks); banded problems keep 64 (fewer keys wasted per edge), and
+            # so do masked ones (an attn_mask keeps to the pointer kernel, measured with 64)
+            block_n = 128 if hopper_forward and not problem.is_banded and problem.mask_kind is None else 64
+            return TritonTiles(128, block_n, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,
                                backward_schedule=backward_schedule)
         return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=forward_schedule)
     return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)

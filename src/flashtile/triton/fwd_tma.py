@@ -1,9 +1,15 @@
 """Attention forward, Hopper schedule: the same algorithm as fwd.py, with tiles moved by TMA.
 
-Q, K, V and the output are read and written through in-kernel tensor descriptors
-(`tl.make_tensor_descriptor`, one 2-D [seqlen, headdim] view per (batch, head)), so the copy engine
-moves whole tiles, zero-fills rows past the end of the sequence and columns past the head dim, and
-clips the store; no per-element pointer or bounds arithmetic is left in the loop.
+The launcher builds host-side tensor descriptors (`triton.tools.tensor_descriptor.TensorDescriptor`)
+for Q, K and V, each a 4-D (batch, heads, rows, dim) view of the (batch, rows, heads, dim) tensor
+whose [1, 1, block_rows, block_width] box is one head's tile: the copy engine moves whole tiles and
+zero-fills rows past the end of the sequence and columns past the head dim, no per-element pointer or
+bounds arithmetic is left in the loop, and no program builds a descriptor of its own. Descriptors
+built in the kernel (`tl.make_tensor_descriptor`, this kernel until session 7) cost every program
+their set-up; on an H200 the host-side ones made the 1k-key forward 18-28% faster at d = 128 and
+11-62% at d = 64 (causal the most), so the table now takes this kernel at every length (BENCHMARKS.md).
+The output is stored by pointers (a 128-row tile is written once; the warp-specialized variant below
+cannot store through a host descriptor).
 
 Without warp specialization the key loop is split into masked edges and an unmasked interior, as in
 fwd.py. With WARP_SPECIALIZE the compiler splits one key loop into a producer warp issuing the TMA
@@ -15,13 +21,16 @@ tile of more than 64 rows between two consumer warpgroups, the pass adds the sec
 offset (+64) to the scalar that the descriptors' row coordinate comes from, and to everything derived
 from it: were the query positions built from that same scalar, they would come out offset twice
 (triton 3.6 and 3.9, read in the TTGIR; on an H200, wrong masks and lse rows, errors ~0.15). So the
-descriptors take their row from a separate value (m0_desc), which the pass offsets alone.
+descriptors take their row from a separate value (m0_desc), which the pass offsets alone. The same
+split needs the query tile's descriptor built in the kernel (the pass gives each consumer its own,
+with a half-height box): with a host descriptor triton 3.9 refuses the kernel, and pointer loads of Q
+trip an assertion of the pass in both 3.6 and 3.9 (session 7, compiled for sm_90).
 
 Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
-multiples of 8 for 2-byte dtypes), no user mask (masks keep to fwd.py). Everything else (band,
-softcap, ALiBi, GQA, dv != d, both alignments) is as in fwd.py; the kernel writes the same out and
-lse.
+multiples of 8 for 2-byte dtypes), a non-empty key sequence, no user mask (masks keep to fwd.py).
+Everything else (band, softcap, ALiBi, GQA, dv != d, both alignments) is as in fwd.py; the kernel
+writes the same out and lse.
 """
 
 import triton
@@ -31,29 +40,27 @@ from .common import alibi_slope, finish_rows, key_block_bounds, online_softmax_s
 
 
 @triton.jit
-def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, start, end, seqlen_q, seqlen_k, score_scale,
+def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, offs_m, start, end, seqlen_q, seqlen_k, score_scale,
                         softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
-                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                        HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+                        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                        HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = k_desc.load([n0, 0])
+        k = k_desc.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right, None,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, 0)
-        v = v_desc.load([n0, 0])
+        v = v_desc.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_DV)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, 0, DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
 def attention_fwd_tma_kernel(
-    Q, K, V, Out, Lse, Slopes,
+    Q, q_desc, k_desc, v_desc, Out, Lse, Slopes,
     stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_slopes_b,
     nheads, group_size, seqlen_q, seqlen_k,
@@ -65,23 +72,27 @@ def attention_fwd_tma_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h, hk = program_heads(pid_bh, nheads, group_size)
+    b, h, _ = program_heads(pid_bh, nheads, group_size)
+    # descriptor coordinates are int32 (program_heads gives int64 for pointer offsets)
+    b32 = pid_bh // nheads
+    h32 = pid_bh % nheads
+    hk32 = h32 // group_size
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
-
-    # one 2-D [seqlen, headdim] view per (batch, head); rows and columns past the ends read as zeros
-    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[seqlen_q, HEADDIM],
-                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[seqlen_k, HEADDIM],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[seqlen_k, HEADDIM_V],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
-    o_desc = tl.make_tensor_descriptor(Out + b * stride_ob + h * stride_oh, shape=[seqlen_q, HEADDIM_V],
-                                       strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_DV])
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
     # Workaround (triton 3.6 and 3.9, 2026-11-29): equal to m0, but a value of its own, so that warp
-    # specialization offsets the descriptors' rows and not offs_m (see the module docstring)
+    # specialization offsets the descriptor's row and not offs_m (see the module docstring)
     m0_desc = tl.minimum(m0, seqlen_q)
-    q = q_desc.load([m0_desc, 0])
+    if WARP_SPECIALIZE:
+        # the pass splits the query tile between two consumer warpgroups, and rebuilds an in-kernel
+        # descriptor with their half-height boxes; a host descriptor's box is fixed (triton 3.9 refuses it)
+        # and pointer loads break the pass (triton 3.6 and 3.9: an assertion in WSLowerToken)
+        q_view = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[seqlen_q, HEADDIM],
+                                           strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
+        q = q_view.load([m0_desc, 0])
+    else:
+        q = q_desc.load([b32, h32, m0_desc, 0]).reshape(BLOCK_M, BLOCK_D)
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -90,24 +101,26 @@ def attention_fwd_tma_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if WARP_SPECIALIZE:
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, lo, hi,
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, offs_m, lo, hi,
                                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                                            diagonal_offset, window_left, window_right, BLOCK_N, MASK_ALL, HAS_LEFT,
-                                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True)
+                                            diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                            MASK_ALL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True)
     else:
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, lo, tl.minimum(full_lo, hi),
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, offs_m, lo,
+                                            tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale, softcap_scale,
+                                            softcap_out, slope, diagonal_offset, window_left, window_right, BLOCK_N,
+                                            BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                            DOT_PRECISION, False)
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, offs_m, full_lo, full_hi,
                                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                                            diagonal_offset, window_left, window_right, BLOCK_N, True, HAS_LEFT,
-                                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_lo, full_hi,
+                                            diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, offs_m, full_hi, hi,
                                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                                            diagonal_offset, window_left, window_right, BLOCK_N, False, HAS_LEFT,
-                                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_hi, hi,
-                                            seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                                            diagonal_offset, window_left, window_right, BLOCK_N, True, HAS_LEFT,
-                                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
+                                            diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
 
     out, lse = finish_rows(acc, l_i, m_i)
-    o_desc.store([m0_desc, 0], out.to(Out.dtype.element_ty))
-    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._validate import AttentionProblem
 from .common import LOG2E
@@ -105,13 +106,23 @@ def _tma_ready(tensors, attn_mask) -> bool:
 # once per process (Python's default warning filter): the opt-in schedule 2 is not safe to train with
 WARP_SPECIALIZED_WARNING = (
     "forward_schedule=2 (warp-specialized, opt-in) is experimental: on an H200 under triton 3.6, reruns beside "
-    "other GPU processes returned NaN in out and inf in lse 10 times in 306,360 (BENCHMARKS.md, sixth session); "
+    "other GPU processes returned NaN in out and inf in lse 3 times in 382,482 (BENCHMARKS.md, seventh session); "
     "use the default table for anything that matters")
 
 
 def _tma_scratch(size: int, alignment: int, stream):
-    # in-kernel tensor descriptors need a little global scratch memory from the caller
+    # descriptors built in a kernel (the backward's TMA views, the warp-specialized forward's query tile)
+    # need a little global scratch memory from the caller
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _heads_view(t: torch.Tensor, block_rows: int, block_width: int) -> TensorDescriptor:
+    """A host-side TMA descriptor over a (batch, rows, heads, dim) tensor, seen as (batch, heads, rows, dim) so
+    that a [1, 1, block_rows, block_width] box is one head's tile: the copy engine zero-fills rows past the
+    sequence and columns past dim, and clips stores there. Every dimension must be >= 1."""
+    batch, rows, heads, dim = t.shape
+    return TensorDescriptor(t, [batch, heads, rows, dim], [t.stride(0), t.stride(2), t.stride(1), 1],
+                            [1, 1, block_rows, block_width])
 
 
 def _packing(q, k, cu_seqlens_q, cu_seqlens_k):
@@ -161,17 +172,18 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     flags = _forward_widths(flags)
     grid = (max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m)), p.batch * p.nheads)
-    if tiles.forward_schedule > 0 and not varlen and _tma_ready((q, k, v, out), attn_mask):
+    if tiles.forward_schedule > 0 and not varlen and k.shape[1] > 0 and _tma_ready((q, k, v, out), attn_mask):
         mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
-        if not interpreting():
-            triton.set_allocator(_tma_scratch)
         if tiles.forward_schedule == 2:
             warnings.warn(WARP_SPECIALIZED_WARNING, RuntimeWarning, stacklevel=2)
+            if not interpreting():
+                triton.set_allocator(_tma_scratch)  # its query tile's in-kernel descriptor (fwd_tma.py)
         del flags["MASK_KIND"]
+        block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
         attention_fwd_tma_kernel[grid](
-            q, k, v, out, lse, slopes,
-            *_row_strides(q, 1), *_row_strides(k, 1), *_row_strides(v, 1), *_row_strides(out, 1), slopes_stride,
-            p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+            q, _heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
+            _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, *_row_strides(q, 1), *_row_strides(out, 1),
+            slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, **flags)
         return out, lse
