@@ -41,14 +41,15 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
             "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared}
 
 
-def table_tiles(dtype: str, headdim: int):
+def table_tiles(dtype: str, headdim: int, causal: bool = False):
     """The tile table's sm_90 choice for a 4k-token call of this dtype and head dim."""
     import torch
 
     problem = AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=4096, seqlen_k=4096, headdim=headdim,
                                headdim_v=headdim, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
                                                                         "fp32": "float32"}[dtype]),
-                               device=torch.device("cpu"), softmax_scale=0.1, window_left=-1, window_right=-1,
+                               device=torch.device("cpu"), softmax_scale=0.1, window_left=-1,
+                               window_right=0 if causal else -1,
                                diagonal_offset=0, alignment="bottom-right", softcap=0.0, has_alibi=False,
                                mask_kind=None)
     return default_tiles(problem, (9, 0))
@@ -73,8 +74,11 @@ def main():
         results.append(compile_variant(f"fwd {tag_varlen}", attention_fwd_kernel,
                                        dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0,
                                             VARLEN=varlen), fwd_ptrs, 8, 3))
-        # schedule 1 as the table runs it; schedule 2 (opt-in) at its 128-row tiles, with the band on every tile
-        for schedule, block_n, warps, stages in ((1, 64, 8, 3), (2, 128, 4, 2)):
+        # schedule 1 at the table's tiles (for bf16 d = 128 the unbanded problems' 128-key blocks, the largest
+        # forward tile, compiled here with the band); schedule 2 (opt-in) at its 128-row tiles, band on every tile
+        forward = table_tiles(dtype, headdim, causal and headdim != 128)
+        for schedule, block_n, warps, stages in ((1, forward.block_n, forward.num_warps, forward.num_stages),
+                                                 (2, 128, 4, 2)):
             # host-side descriptors: (batch, heads, rows, dim) views, one head's tile per box
             descriptors = {"q_desc": f"tensordesc<{dtype}[1,1,128,{width}]>",
                            "k_desc": f"tensordesc<{dtype}[1,1,{block_n},{width}]>",
