@@ -15,12 +15,14 @@
 #                                             # log-uniform vs equal lengths, backward tiles, kernel times
 #   bash benchmarks/h200_runbook.sh forward   # forward tiles where flashtile trails FlexAttention (d 64 with
 #                                             # FlexAttention's 128 x 128 / 4 warps; d 128 at 1k and 4k)
+#   bash benchmarks/h200_runbook.sh fwdgrid   # the forward grid with every peer (d 128 and 64), then 128-key blocks
+#                                             # for banded d = 128 problems (the table keeps 64: not yet measured)
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward or wsstress}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid or wsstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -90,6 +92,14 @@ case $stage in
     timeout 150 python benchmarks/tune_triton.py --headdim 128 --seqlens 1024,4096 --modes fwd --peers "" \
       --configs 128x64w8s3t0,128x64w8s3t1,128x64w8s4t1,64x64w4s3t0,128x32w4s3t0 > "$out/forward-d128.txt" 2>&1
     grep -h TFLOP "$out/forward-d64.txt" "$out/forward-d128.txt" | cut -c1-100 ;;
+  fwdgrid)
+    timeout 150 python -m flashtile bench --device cuda --mode fwd --headdim 128,64 \
+      --providers "flashtile[triton],sdpa-cudnn,sdpa-flash,flex" --json "$out/$date-h200-grid-fwd.json" \
+      > "$out/grid-fwd.txt" 2>/dev/null
+    grep "^flashtile\|^flex" "$out/grid-fwd.txt" | cut -c1-100
+    timeout 150 python benchmarks/tune_triton.py --headdim 128 --causal yes --modes fwd --peers "" \
+      --configs 128x64w8s3t1,128x128w8s3t1 > "$out/tiles-causal.txt" 2>&1
+    grep -h TFLOP "$out/tiles-causal.txt" | cut -c1-100 ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \
