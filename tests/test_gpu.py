@@ -49,8 +49,9 @@ def test_triton_realistic_shapes(case, dtype, seed):
 # Small ragged shapes at the tile table's own tiles (the small-shape suite forces 16 x 16 tiles): a padded
 # q/k head dim with a narrower value tile once made triton 3.6 read outside shared memory in the forward.
 NARROW_VALUE_SHAPES = {f"d40-dv{dv}": (1, 70, 37, 3, 1, 40, dv) for dv in (3, 8, 12, 16, 24)}
+# "d40-dv8-tma-forward": a long ragged key end for the TMA loop
 NARROW_VALUE_SHAPES.update({"d8-dv40": (1, 70, 37, 3, 1, 8, 40), "d40-dv8-long-k": (1, 70, 300, 3, 1, 40, 8),
-                            "d40-dv8-tma-forward": (1, 64, 4100, 2, 1, 40, 8)})  # a long ragged key end for the TMA loop
+                            "d40-dv8-tma-forward": (1, 64, 4100, 2, 1, 40, 8)})
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))

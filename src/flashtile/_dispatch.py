@@ -147,8 +147,8 @@ class TritonBackend:
     def describe_tiles(self, problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:
         if problem.varlen:
             return (f"{tiles.describe(problem)}; packed sequences: the grid covers max_seqlen rows of each "
-                    f"sequence, at most {triton_configs.VARLEN_GRID_ROWS}, and each program visits only its sequence's blocks, "
-                    f"looping over those past the grid")
+                    f"sequence, at most {triton_configs.VARLEN_GRID_ROWS}, and each program visits only its "
+                    f"sequence's blocks, looping over those past the grid")
         visited, masked, full = count_visited_tiles(problem, tiles.block_m, tiles.block_n, aligned=True)
         return (f"{tiles.describe(problem)}; forward visits {visited} of {full} tiles per (batch, head) "
                 f"({masked} with an element mask)")

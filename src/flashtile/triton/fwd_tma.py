@@ -72,11 +72,9 @@ def attention_fwd_tma_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h, _ = program_heads(pid_bh, nheads, group_size)
+    b, h, hk = program_heads(pid_bh, nheads, group_size)
     # descriptor coordinates are int32 (program_heads gives int64 for pointer offsets)
-    b32 = pid_bh // nheads
-    h32 = pid_bh % nheads
-    hk32 = h32 // group_size
+    b32, h32, hk32 = b.to(tl.int32), h.to(tl.int32), hk.to(tl.int32)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)

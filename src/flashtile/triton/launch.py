@@ -21,9 +21,8 @@ from .common import LOG2E
 from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
                   attention_bwd_preprocess_kernel)
 from . import configs
-from .configs import TritonTiles
+from .configs import TritonTiles, interpreting
 from .decode import attention_decode_combine_kernel, attention_decode_kernel
-from .configs import interpreting
 from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
 
@@ -90,8 +89,10 @@ def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProb
 
 
 def _tma_ready(tensors, attn_mask) -> bool:
-    """TMA needs 16-byte aligned base addresses and strides, a GPU of sm_90+ (or the interpreter), no mask."""
-    if attn_mask is not None:
+    """TMA needs 16-byte aligned base addresses and strides, a GPU of sm_90+ (or the interpreter), no mask,
+    and tensors that are not empty (a descriptor's every dimension is >= 1; with no keys there is nothing
+    to stream, and the pointer kernels write the empty rows)."""
+    if attn_mask is not None or any(t.numel() == 0 for t in tensors):
         return False
     if not interpreting():
         if tensors[0].device.type != "cuda" or torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
@@ -172,7 +173,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     flags = _forward_widths(flags)
     grid = (max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m)), p.batch * p.nheads)
-    if tiles.forward_schedule > 0 and not varlen and k.shape[1] > 0 and _tma_ready((q, k, v, out), attn_mask):
+    if tiles.forward_schedule > 0 and not varlen and _tma_ready((q, k, v), attn_mask):
         mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
         if tiles.forward_schedule == 2:
             warnings.warn(WARP_SPECIALIZED_WARNING, RuntimeWarning, stacklevel=2)
