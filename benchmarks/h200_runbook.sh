@@ -17,12 +17,15 @@
 #                                             # FlexAttention's 128 x 128 / 4 warps; d 128 at 1k and 4k)
 #   bash benchmarks/h200_runbook.sh fwdgrid   # the forward grid with every peer (d 128 and 64), then 128-key blocks
 #                                             # for banded d = 128 problems (the table keeps 64: not yet measured)
+#   bash benchmarks/h200_runbook.sh bwdhost   # the backward's TMA schedules with host-side descriptors (branch
+#                                             # prepared/backward-host-descriptors): GPU tests, then schedules 0-3
+#                                             # timed in one run (pointer vs TMA loads, two launches vs one)
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid or wsstress}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost or wsstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -100,6 +103,14 @@ case $stage in
     timeout 150 python benchmarks/tune_triton.py --headdim 128 --causal yes --modes fwd --peers "" \
       --configs 128x64w8s3t1,128x128w8s3t1 > "$out/tiles-causal.txt" 2>&1
     grep -h TFLOP "$out/tiles-causal.txt" | cut -c1-100 ;;
+  bwdhost)
+    FLASHTILE_TEST_DEVICE=cuda timeout 150 python -m pytest -q -n 12 -p no:cacheprovider -rfE \
+      tests/test_triton_schedules.py tests/test_gpu.py > "$out/tests.txt" 2>&1
+    tail -2 "$out/tests.txt"
+    timeout 330 python -m flashtile bench --device cuda --mode bwd --headdim 128,64 --max-call-seconds 1 \
+      --providers "flashtile[triton:bwd1],flashtile[triton:bwd3],flashtile[triton:bwd0],flashtile[triton:bwd2]" \
+      --json "$out/$date-h200-backward-host-descriptors.json" > "$out/bwdhost.txt" 2>/dev/null
+    grep "^flashtile" "$out/bwdhost.txt" | cut -c1-100 ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \

@@ -94,6 +94,10 @@ def main():
         # the two-launch kernels with pointer loads, the one-launch kernel with TMA loads where the batch is dense
         t = table_tiles(dtype, headdim)
         m, n, warps, stages = t.bwd_block_m, t.bwd_block_n, t.bwd_num_warps, t.bwd_num_stages
+        # the descriptor arguments: pointers (never read) without TMA, host-side 4-D views of bwd_block_m rows with it
+        bwd_ptrs.update(q_desc=ptr, k_desc=ptr, v_desc=ptr, do_desc=ptr)
+        bwd_tma_ptrs = dict(bwd_ptrs, **{name: f"tensordesc<{dtype}[1,1,{m},{width}]>"
+                                         for name in ("q_desc", "k_desc", "v_desc", "do_desc")})
         results.append(compile_variant(f"bwd-dkdv {tag_varlen}", attention_bwd_dkdv_kernel,
                                        dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen, USE_TMA=False),
                                        bwd_ptrs, warps, stages))
@@ -104,7 +108,8 @@ def main():
         results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
                                        attention_bwd_kernel,
                                        dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen,
-                                            USE_TMA=one_launch_tma), bwd_ptrs, warps, stages))
+                                            USE_TMA=one_launch_tma), bwd_tma_ptrs if one_launch_tma else bwd_ptrs,
+                                       warps, stages))
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",

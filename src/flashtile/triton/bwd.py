@@ -14,11 +14,13 @@ Three kernels (backward schedule 0; schedule 1 runs 2 and 3 as one launch, atten
 dQ in its own kernel (instead of atomics from the dK/dV kernel) costs two extra matmuls per tile
 but makes every gradient bitwise reproducible.
 
-With USE_TMA (backward schedules 2 and 3) the tiles a program streams (Q and dO in dK/dV, K and V in dQ)
-come from in-kernel tensor descriptors, one [seqlen, headdim] view per head, instead of pointer tiles:
-the copy engine zero-fills rows past the sequence's end and columns past a padded head dim, and the
-loop keeps no per-element addresses or bounds in registers (on an H200, d = 128: fewer spills, and +1%
-to +7% from 4k keys; BENCHMARKS.md). The arithmetic is the same.
+With USE_TMA (backward schedules 2 and 3, dense batches) the tiles a program streams (Q and dO in dK/dV,
+K and V in dQ) come from host-side tensor descriptors, (batch, heads, rows, dim) views whose box is one
+head's tile, instead of pointer tiles: the copy engine zero-fills rows past the sequence's end and
+columns past a padded head dim, and the loop keeps no per-element addresses or bounds in registers (on
+an H200, d = 128, with descriptors then built in every program: fewer spills, and +1% to +7% from 4k
+keys; BENCHMARKS.md). The arithmetic is the same. Packed batches keep pointer loads: a descriptor over the
+packed tensor would read the next sequence's rows where a sequence ends.
 
 Packed variable-length batches (VARLEN) work as in fwd.py: batch entry b is sequence b of the
 packed tensors, and each program loops over its sequence's real blocks. The preprocess kernel needs
@@ -74,16 +76,7 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, CHECK_ROWS: tl.const
 
 
 @triton.jit
-def _head_view(base, rows, stride_row, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_WIDTH: tl.constexpr):
-    """A TMA descriptor over one head's [rows, WIDTH] matrix at base: the copy engine zero-fills rows past the
-    end and columns past WIDTH. A descriptor needs every dimension >= 1, so an empty packed sequence gets a
-    1-row view, which nothing reads (no block of the other side reaches it)."""
-    return tl.make_tensor_descriptor(base, shape=[tl.maximum(rows, 1), WIDTH], strides=[stride_row, 1],
-                                     block_shape=[BLOCK_ROWS, BLOCK_WIDTH])
-
-
-@triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
+def _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
                  stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale,
                  softcap_out, slope, diagonal_offset, window_left, window_right,
                  HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -92,14 +85,15 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, s
                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  USE_TMA: tl.constexpr):
     # Tiles are transposed (keys as rows, queries as columns) so that P^T and dS^T come out of the
-    # matmuls directly and only register tiles of Q and dO get transposed. q_src / do_src are tensor
-    # descriptors with USE_TMA (rows past the sequence read as zeros), else pointers at row 0: MASKED
-    # ranges may run past the queries; the interior range never does, so its loads go unmasked.
+    # matmuls directly and only register tiles of Q and dO get transposed. q_src / do_src are host-side
+    # (batch, heads, rows, dim) descriptors with USE_TMA (rows past the sequence read as zeros; b32 / h32
+    # the coordinates), else pointers at row 0: MASKED ranges may run past the queries; the interior range
+    # never does, so its loads go unmasked.
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         if USE_TMA:
-            q_t = tl.trans(q_src.load([m0, 0]))
-            do = do_src.load([m0, 0])
+            q_t = tl.trans(q_src.load([b32, h32, m0, 0]).reshape(BLOCK_M, BLOCK_D))
+            do = do_src.load([b32, h32, m0, 0]).reshape(BLOCK_M, BLOCK_DV)
         else:
             row_ok = offs_m < seqlen_q
             q_t = load_tile(q_src + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
@@ -123,7 +117,7 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, s
 
 
 @triton.jit
-def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, q_start,
+def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slopes, Mask, b, hk, q_start,
                     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
                     stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
                     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
@@ -152,22 +146,25 @@ def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, 
         q_src = Q + h * stride_qh
         do_src = dOut + h * stride_doh
         if USE_TMA:
-            q_src = _head_view(q_src, seqlen_q, stride_qm, HEADDIM, BLOCK_M, BLOCK_D)
-            do_src = _head_view(do_src, seqlen_q, stride_dom, HEADDIM_V, BLOCK_M, BLOCK_DV)
+            q_src = q_desc
+            do_src = do_desc
         row_base = b * stride_lse_b + h * stride_lse_h + q_start
         mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[:, None].to(tl.int64) * stride_mask_n
         slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b.to(tl.int32), h.to(tl.int32), Lse, Delta, row_base,
+                              stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b.to(tl.int32), h.to(tl.int32), Lse, Delta, row_base,
+                              stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, Lse, Delta, row_base, stride_qm, stride_dom,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b.to(tl.int32), h.to(tl.int32), Lse, Delta, row_base,
+                              stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
@@ -179,7 +176,8 @@ def _dkdv_key_block(n0, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, b, hk, 
 
 
 @triton.jit
-def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slopes, Mask,
+                  CuSeqlensQ, CuSeqlensK,
                   stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                   stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                   stride_dvh, stride_lse_b, stride_lse_h,
@@ -204,28 +202,26 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV,
         # the grid covers max_seqlen_k (a hint), at most configs.VARLEN_GRID_ROWS keys: a longer sequence's
         # extra blocks are taken in turn
         for n0 in range(pid_n * BLOCK_N, seqlen_k, key_programs * BLOCK_N):
-            _dkdv_key_block(n0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b, hk,
-                            q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
-                            stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
-                            stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+            _dkdv_key_block(n0, q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask,
+                            b, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                            stride_dom, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b,
+                            stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
                             group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
-                            diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
-                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                            USE_TMA)
+                            diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                            BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
     else:
-        _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dk_ptr, dv_ptr, Slopes, Mask, b,
-                        hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
-                        stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h,
-                        stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+        _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, Lse, Delta, dk_ptr, dv_ptr,
+                        Slopes, Mask, b, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                        stride_dom, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_lse_b,
+                        stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
                         group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
-                        diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
-                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                        USE_TMA)
+                        diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                        BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, dOut, q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -242,7 +238,8 @@ def attention_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     b, hk, _ = program_heads(tl.program_id(1), nheads_k, 1)
-    _dkdv_program(tl.program_id(0), tl.num_programs(0), b, hk, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask,
+    _dkdv_program(tl.program_id(0), tl.num_programs(0), b, hk, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV,
+                  Slopes, Mask,
                   CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb,
                   stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
                   stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b,
@@ -253,7 +250,7 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_rows, stride_mask_n,
+def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
                offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                diagonal_offset, window_left, window_right,
                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -261,13 +258,14 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
                USE_TMA: tl.constexpr):
-    # k_src / v_src: tensor descriptors with USE_TMA, else pointers at row 0, where MASKED ranges may run
-    # past the keys; the interior range never does, so its loads go unmasked
+    # k_src / v_src: host-side (batch, heads, rows, dim) descriptors with USE_TMA (b32 / hk32 the
+    # coordinates), else pointers at row 0, where MASKED ranges may run past the keys; the interior range
+    # never does, so its loads go unmasked
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if USE_TMA:
-            k_t = tl.trans(k_src.load([n0, 0]))
-            v_t = tl.trans(v_src.load([n0, 0]))
+            k_t = tl.trans(k_src.load([b32, hk32, n0, 0]).reshape(BLOCK_N, BLOCK_D))
+            v_t = tl.trans(v_src.load([b32, hk32, n0, 0]).reshape(BLOCK_N, BLOCK_DV))
         else:
             key_ok = offs_n < seqlen_k
             cols = offs_n[None, :].to(tl.int64)
@@ -291,7 +289,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_
 
 
 @triton.jit
-def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q_start,
+def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q_start,
                     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
                     stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
                     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
@@ -315,25 +313,26 @@ def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q
                                    True)
     k_src = K + hk * stride_kh
     v_src = V + hk * stride_vh
+    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)  # descriptor coordinates
     if USE_TMA:
-        k_src = _head_view(k_src, seqlen_k, stride_kn, HEADDIM, BLOCK_N, BLOCK_D)
-        v_src = _head_view(v_src, seqlen_k, stride_vn, HEADDIM_V, BLOCK_N, BLOCK_DV)
+        k_src = k_desc
+        v_src = v_desc
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_rows, stride_mask_n,
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
                     DOT_PRECISION, USE_TMA)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_rows, stride_mask_n,
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                     MASK_KIND, DOT_PRECISION, USE_TMA)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, mask_rows, stride_mask_n,
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
@@ -343,7 +342,8 @@ def _dq_query_block(m0, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q
 
 
 @triton.jit
-def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, Mask,
+                CuSeqlensQ, CuSeqlensK,
                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
                 stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
@@ -364,16 +364,16 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, 
     dq_ptr = dQ + b * stride_dqb + q_start * stride_dqm
     if VARLEN:
         for m0 in range(pid_m * BLOCK_M, seqlen_q, query_programs * BLOCK_M):
-            _dq_query_block(m0, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk, q_start,
-                            stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
-                            stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b,
-                            stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale,
-                            softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
-                            HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            _dq_query_block(m0, q_ptr, k_ptr, v_ptr, do_ptr, k_desc, v_desc, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk,
+                            q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
+                            stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
+                            stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
+                            score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+                            HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                             HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA)
     else:
-        _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk,
-                        q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
+        _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, k_desc, v_desc, Lse, Delta, dq_ptr, Slopes, Mask,
+                        b, h, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
                         stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
                         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
@@ -383,7 +383,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, 
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, dOut, q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -399,7 +399,8 @@ def attention_bwd_dq_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     b, h, hk = program_heads(tl.program_id(1), nheads, group_size)
-    _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask,
+    _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ,
+                Slopes, Mask,
                 CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb,
                 stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
                 stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m,
@@ -410,7 +411,7 @@ def attention_bwd_dq_kernel(
 
 @triton.jit
 def attention_bwd_kernel(
-    Q, K, V, dOut, Lse, Delta, dQ, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, dOut, q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -438,7 +439,8 @@ def attention_bwd_kernel(
     dkdv_programs = key_programs * nheads_k
     if pid < dkdv_programs:
         hk = (pid // key_programs).to(tl.int64)
-        _dkdv_program(pid % key_programs, key_programs, b, hk, Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask,
+        _dkdv_program(pid % key_programs, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV,
+                      Slopes, Mask,
                       CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                       stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
                       stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_slopes_b,
@@ -450,7 +452,8 @@ def attention_bwd_kernel(
         # the dQ programs use the transposed tile: BLOCK_N query rows against BLOCK_M keys
         r = pid - dkdv_programs
         h = (r // query_programs).to(tl.int64)
-        _dq_program(r % query_programs, query_programs, b, h, h // group_size, Q, K, V, dOut, Lse, Delta, dQ,
+        _dq_program(r % query_programs, query_programs, b, h, h // group_size, Q, K, V, dOut, k_desc, v_desc, Lse,
+                    Delta, dQ,
                     Slopes, Mask, CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
                     stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb,
                     stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h,

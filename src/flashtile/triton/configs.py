@@ -65,10 +65,10 @@ FORWARD_SCHEDULES = {
 BACKWARD_SCHEDULES = {
     0: "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel",
     1: "attention_bwd_kernel, the dK/dV and dQ programs in one launch",
-    2: ("attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel, streamed tiles loaded by TMA descriptors "
-        "when strides are 16-byte aligned and there is no attn_mask"),
-    3: ("attention_bwd_kernel, the dK/dV and dQ programs in one launch, streamed tiles loaded by TMA descriptors "
-        "when strides are 16-byte aligned and there is no attn_mask"),
+    2: ("attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel, streamed tiles loaded through host-side TMA "
+        "descriptors when strides are 16-byte aligned, the batch is dense and there is no attn_mask"),
+    3: ("attention_bwd_kernel, the dK/dV and dQ programs in one launch, streamed tiles loaded through host-side "
+        "TMA descriptors when strides are 16-byte aligned, the batch is dense and there is no attn_mask"),
 }
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)

@@ -112,8 +112,8 @@ WARP_SPECIALIZED_WARNING = (
 
 
 def _tma_scratch(size: int, alignment: int, stream):
-    # descriptors built in a kernel (the backward's TMA views, the warp-specialized forward's query tile)
-    # need a little global scratch memory from the caller
+    # a descriptor built in a kernel (the warp-specialized forward's query tile) needs a little global
+    # scratch memory from the caller
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
@@ -228,9 +228,16 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
                                           _row_strides(dv, batch_k))
     stats = (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides)
-    use_tma = tiles.backward_tma and _tma_ready((q, k, v, grad_out), attn_mask)
-    if use_tma and not interpreting():
-        triton.set_allocator(_tma_scratch)
+    # packed batches keep pointer loads: a host-side descriptor spans the packed tensor, so a sequence's
+    # last tile would read its neighbour's rows where the copy engine should give zeros
+    use_tma = tiles.backward_tma and not varlen and k.shape[1] > 0 and _tma_ready((q, k, v, grad_out), attn_mask)
+    if use_tma:
+        # the streamed tiles have bwd_block_m rows on both sides (the dQ programs take the transposed tile)
+        rows, block_d, block_dv = tiles.bwd_block_m, flags["BLOCK_D"], flags["BLOCK_DV"]
+        descriptors = (_heads_view(q, rows, block_d), _heads_view(k, rows, block_d), _heads_view(v, rows, block_dv),
+                       _heads_view(grad_out, rows, block_dv))
+    else:
+        descriptors = (q, k, v, grad_out)  # never read
     bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, USE_TMA=use_tma,
                **flags)
     key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
@@ -238,20 +245,20 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.bwd_block_n))
     if tiles.backward_one_launch and k.shape[1] > 0:
         attention_bwd_kernel[(key_programs * p.nheads_k + query_programs * p.nheads, p.batch)](
-            q, k, v, grad_out, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k,
+            q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k,
             *inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
             p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars,
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
         return dq, dk, dv
     if k.shape[1] > 0:
         attention_bwd_dkdv_kernel[(key_programs, p.batch * p.nheads_k)](
-            q, k, v, grad_out, lse, delta, dk, dv, slopes, mask, cu_q, cu_k,
+            q, k, v, grad_out, *descriptors, lse, delta, dk, dv, slopes, mask, cu_q, cu_k,
             *inputs, *dk_strides, *dv_strides, *stats,
             p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
     # the dQ kernel uses the transposed tile: bwd_block_n query rows against bwd_block_m keys
     attention_bwd_dq_kernel[(query_programs, p.batch * p.nheads)](
-        q, k, v, grad_out, lse, delta, dq, slopes, mask, cu_q, cu_k,
+        q, k, v, grad_out, *descriptors, lse, delta, dq, slopes, mask, cu_q, cu_k,
         *inputs, *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
         BLOCK_M=tiles.bwd_block_n, BLOCK_N=tiles.bwd_block_m, **bwd)
     return dq, dk, dv
