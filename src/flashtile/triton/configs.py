@@ -106,8 +106,9 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     - Hopper backward for fp16/bf16, d = 128: 64 query rows against 128 keys, 8 warps, 3 stages, the
       dK/dV and dQ programs in one launch: +4% to +10% fwd+bwd over 32 x 64 with 4 warps in two
       launches at 1k non-causal, 4k and 16k; at 1k causal +2% or +24% against the old tile's two runs
-      (host noise); 2 stages had been within 3% of the old tile. From 4k keys the streamed tiles
-      come by TMA (schedule 3, session 6: +1% to +7% at 4k / 16k); 32 x 128 lost 9-11%; the dK/dV
+      (host noise); 2 stages had been within 3% of the old tile. The streamed tiles come by TMA through
+      host-side descriptors (schedule 3) at every length (session 8: +2% to +10% against pointer loads
+      except 16k causal, 0%); 32 x 128 lost 9-11%; the dK/dV
       and dQ program bodies as separate (noinline) functions lost 8-11% (ptxas serialises wgmma
       across a call). d = 64: the old 32 x 128 tile in one launch, +1% to +4% below 16k keys, -2% to
       +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%.
@@ -134,12 +135,11 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
             # 0.95x / 0.87x, non-causal / causal; with equal lengths, causal 0.91x against 0.81x; in the SASS
             # the packed causal one-launch kernel's dK/dV loop spills 2.5x more than the dense one's: a lead).
-            # Dense batches take TMA loads from 4k keys (session 6, backward: +6.5% / +7.4% non-causal at 4k /
-            # 16k, +1.3% / +5.1% causal; at 1k -6% causal, +1% non-causal); packed batches lost with them
-            # (fwd+bwd 0.84x against 0.89x the dense rate, causal; 0.88x against 0.90x non-causal), so they keep
-            # the pointer loads
-            long_keys = problem.seqlen_k >= 4096
-            backward_schedule = 0 if problem.varlen else (3 if long_keys else 1)
+            # Dense batches take TMA loads at every length (host-side descriptors, session 8, backward against
+            # the pointer loads in the same run: +6% / +2% at 1k non-causal / causal, +8% / +7% at 4k, +10% / 0%
+            # at 16k); packed batches lost with TMA (fwd+bwd 0.84x against 0.89x the dense rate, causal; 0.88x
+            # against 0.90x non-causal, session 6), so they keep the pointer loads
+            backward_schedule = 0 if problem.varlen else 3
             # the TMA forward without a band: 128-key blocks (session 7, non-causal: 403 / 487 TFLOP/s at 1k /
             # 4k against 390 / 472 with 64-key blocks); banded problems keep 64 (fewer keys wasted per edge), and
             # so do masked ones (an attn_mask keeps to the pointer kernel, measured with 64)
