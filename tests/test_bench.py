@@ -14,6 +14,7 @@ import torch
 from flashtile import _dispatch, cli
 from flashtile.bench import providers as prov
 from flashtile.bench import runner
+from flashtile.bench import report
 from flashtile.iomodel import AttentionShape, benchmark_flops
 from flashtile.reference import flash_attn_reference
 
@@ -25,7 +26,7 @@ HEADER_KEYS = {"device", "device_name", "driver", "cpu_threads", "torch", "trito
 CEILING_KEYS = {"matmul_tflops", "matmul_size", "copy_gbps", "copy_bytes"}
 ROW_KEYS = {"provider", "batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "mode", "dtype", "status",
             "reason", "ms", "tflops", "matmul_fraction", "roofline_fraction", "io_model", "peak_mib", "rel_error",
-            "error_of", "kernels"}
+            "error_of", "kernels", "kernel_ms"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -90,6 +91,7 @@ def test_ok_rows_are_measured_and_accurate(quick_run):
         assert row["matmul_fraction"] == pytest.approx(row["tflops"] / matmul_tflops), where
         assert row["roofline_fraction"] > 0 and row["io_model"] in ("tiled", "materialised"), where
         assert row["peak_mib"] is None or row["peak_mib"] >= 0, where
+        assert row["kernel_ms"] is None, where  # GPU time of the call's work: CUDA rows only
 
 
 def test_flashtile_sdpa_and_naive_run_on_the_cpu(quick_run):
@@ -114,6 +116,25 @@ def test_terminal_table_and_progress(quick_run):
     ok = len(_rows(document, status="ok"))
     assert f"{len(document['rows'])} rows: {ok} ok" in process.stdout
     assert f"[{len(document['rows'])}/{len(document['rows'])}]" in process.stderr
+
+
+def test_rows_that_waited_on_the_host_are_marked():
+    """A row timed well above its GPU work (the profiler's) is host-bound, and the table says so."""
+    base = dict(provider="flashtile[triton]", batch=16, heads=16, seqlen_q=1024, seqlen_k=1024, headdim=128,
+                causal=True, mode="fwd", dtype="bf16", tflops=172.0, matmul_fraction=0.2, roofline_fraction=0.1,
+                io_model="tiled", rel_error=2e-3, error_of="out", kernels=["attention_fwd_tma_kernel"])
+    waited = runner.Row(ms=0.400, kernel_ms=0.241, **base)
+    kernel_bound = runner.Row(ms=0.250, kernel_ms=0.241, **base)
+    on_cpu = runner.Row(ms=0.400, **base)
+    assert waited.host_bound and not kernel_bound.host_bound and not on_cpu.host_bound
+    table = report.format_table(runner.BenchResult(header=_TABLE_HEADER, rows=[waited, kernel_bound, on_cpu]))
+    assert table.count("[host-bound: GPU work 0.241 ms]") == 1, table
+
+
+_TABLE_HEADER = {"device": "cuda", "device_name": "NVIDIA H200", "driver": "580", "cuda": "13.0", "flashtile": "0",
+                 "torch": "2", "triton": "3", "date": "2026-11-29", "dtype": "bf16", "datasheet": None,
+                 "ceilings": {"matmul_size": 8192, "matmul_tflops": 789.0, "copy_gbps": 4245.0},
+                 "tokens_per_batch": 16384, "model_width": 2048, "timing": "median of do_bench"}
 
 
 def test_plot_is_a_png(quick_run):

@@ -125,3 +125,29 @@ def test_stride_zero_gradient_from_sum(backend, seed):
     expected = torch.autograd.grad(flash_attn_reference(q, k, v)[0].sum(), (q, k, v))
     for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), expected):
         assert_exact_to_oracle(name, got, want, seed, tol=1e-10 if dtype == torch.float64 else 1e-5)
+
+
+def test_calls_without_gradients_skip_autograd_and_give_the_same_results(monkeypatch, backend, seed):
+    """No input needs a gradient (plain tensors, or torch.no_grad / inference_mode): the backend runs
+    directly, without the autograd.Function (its host cost matters to short GPU calls); out and lse are
+    those of the differentiable path, bitwise."""
+    from flashtile import autograd
+
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    q, k, v = random_qkv(2, 9, 13, 4, 2, 16, 8, dtype, requires_grad=True)
+    with flashtile.use_backend(backend):
+        out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert out.grad_fn is not None and lse.grad_fn is not None
+
+        def must_not_run(*args):
+            raise AssertionError("the autograd.Function ran for a call that needs no gradient")
+
+        monkeypatch.setattr(autograd._EagerAttention, "apply", must_not_run)
+        plain = flashtile.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True, return_lse=True)
+        with torch.no_grad():
+            no_grad = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        with torch.inference_mode():
+            inference = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    for got in (plain, no_grad, inference):
+        assert got[0].grad_fn is None and got[1].grad_fn is None and not got[0].requires_grad
+        assert torch.equal(got[0], out.detach()) and torch.equal(got[1], lse.detach())

@@ -3,7 +3,8 @@
 One implementation (`_run_forward`, `_run_backward`: the chosen backend's passes) reached two ways:
 - eagerly, through `_EagerAttention`, a plain `torch.autograd.Function` that carries the validated
   problem and tiles as objects (a custom op's dispatch costs ~100 us per call on the host, 8x an
-  autograd.Function's, which short sequences on a GPU feel; so does rebuilding the problem);
+  autograd.Function's, which short sequences on a GPU feel; so does rebuilding the problem), or
+  straight to the backend's forward when no input needs a gradient (inference);
 - under `torch.compile`, through the `torch.library.custom_op`s `flashtile::attention_forward` and
   `flashtile::attention_backward` with fake (meta) implementations and `register_autograd`, so the
   call is opaque to the compiler: a model using flashtile compiles with `fullgraph=True`, the kernels
@@ -162,6 +163,10 @@ def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple
     if torch.compiler.is_compiling():
         out, lse = attention_forward(*tensors, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left,
                                      p.window_right, p.diagonal_offset, p.softcap, p.alignment, backend, list(tiles))
-    else:
+    elif torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad):
         out, lse = _EagerAttention.apply(*tensors, p, backend, BACKENDS[backend].tiles_from_list(list(tiles)))
+    else:
+        # nothing to differentiate: the backend directly (the autograd.Function's own cost, ~20 us of host
+        # time per call, is a tenth of a short GPU call's)
+        out, lse = _run_forward(*tensors, p, backend, BACKENDS[backend].tiles_from_list(list(tiles)))
     return out, lse.float()

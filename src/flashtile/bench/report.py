@@ -14,7 +14,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from flashtile.bench.runner import BenchResult, Row
+from flashtile.bench.runner import HOST_BOUND_MARGIN, BenchResult, Row
 
 KERNEL_NAME_WIDTH = 40
 KERNELS_SHOWN = 2
@@ -95,6 +95,8 @@ def format_table(result: BenchResult) -> str:
                     _percent(row.roofline_fraction), "-" if row.peak_mib is None else f"{row.peak_mib:.1f}",
                     f"{row.rel_error:.1e}" if row.rel_error is not None else "-"]
         text = _line(where + measured) + " " + _kernels(row.kernels)
+        if row.host_bound:
+            text += f"  [host-bound: GPU work {_number(row.kernel_ms)} ms]"
         if row.status != "ok":
             text += f"  [{row.status}: {_shorten(row.reason or '', REASON_WIDTH)}]"
         lines.append(text)
@@ -102,7 +104,9 @@ def format_table(result: BenchResult) -> str:
     lines += ["", f"{len(result.rows)} rows: " + ", ".join(f"{counts[s]} {s}" for s in ("ok", "skipped", "failed")),
               "%matmul = TFLOP/s / measured matmul ceiling; %roof = roofline bound (flashtile.iomodel: tiled model "
               "for flash-style providers, materialised for naive and sdpa-math) / measured time; rel err = "
-              "||x - ref|| / ||ref|| vs float64 of out (fwd) or dq (bwd, fwd+bwd) on a sub-sample"]
+              "||x - ref|| / ||ref|| vs float64 of out (fwd) or dq (bwd, fwd+bwd) on a sub-sample; host-bound = "
+              f"the timed call took over {HOST_BOUND_MARGIN:.0%} longer than its GPU work (profiler): its TFLOP/s "
+              "measure the host"]
     return "\n".join(lines)
 
 

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 import flashtile
-from flashtile._measure import executed_kernels, median_time_ms, peak_memory_growth_bytes
+from flashtile._measure import median_time_ms, peak_memory_growth_bytes, timed_kernels
 from flashtile.bench.providers import Forward, Problem, Provider, ProviderSkip, select_providers
 from flashtile.iomodel import MODES, AttentionShape, Roofline, benchmark_flops, cost, datasheet_roofline
 from flashtile.reference import attention_reference
@@ -49,6 +49,8 @@ MAX_HEADDIM = 256
 INPUT_SETS = 2
 ORACLE_ROWS = 256
 KERNELS_KEPT = 5
+# timed ms above the profiler's GPU time of one call by more than this: the row is marked host-bound
+HOST_BOUND_MARGIN = 0.10
 SEED = 0
 
 
@@ -198,7 +200,9 @@ class Row:
     """One measurement. `status` is "ok", "skipped" or "failed" (with `reason`). Units: ms per call,
     TFLOP/s by `flashtile.iomodel.benchmark_flops`, fractions of the matmul ceiling and of the
     roofline bound (predicted / measured time, by `io_model`), peak memory growth in MiB,
-    `rel_error` of `error_of` ("out" or "dq") against float64."""
+    `rel_error` of `error_of` ("out" or "dq") against float64. On a GPU, `kernel_ms` is the device time of
+    one call's work from the profiler (kernels, copies and memsets summed): a row whose `ms` exceeds it by
+    more than HOST_BOUND_MARGIN waited on the host (see `host_bound`)."""
 
     provider: str
     batch: int
@@ -220,6 +224,14 @@ class Row:
     rel_error: float | None = None
     error_of: str | None = None
     kernels: list[str] = field(default_factory=list)
+    kernel_ms: float | None = None
+
+    @property
+    def host_bound(self) -> bool:
+        """The timed call took longer than its GPU work by more than HOST_BOUND_MARGIN: do_bench times from
+        an event recorded before the call is issued, so when issuing it from Python takes longer than the GPU
+        has queued, the GPU idles inside the measurement and TFLOP/s describe the host, not the kernels."""
+        return self.ms is not None and self.kernel_ms is not None and self.ms > self.kernel_ms * (1 + HOST_BOUND_MARGIN)
 
 
 @dataclass(frozen=True)
@@ -483,8 +495,11 @@ def _measure_row(row: Row, provider: Provider, problem: Problem, sets: list[Inpu
         row.ms = _time_ms(timed, device, config.timing, warm=True)
         peak = peak_memory_growth_bytes(timed, device)
         row.peak_mib = None if peak is None else peak / 2**20
+        executed = timed_kernels(timed, device)
         # the profiler can report one kernel under two events; keep each name once
-        row.kernels = list(dict.fromkeys(executed_kernels(timed, device, limit=2 * KERNELS_KEPT)))[:KERNELS_KEPT]
+        row.kernels = list(dict.fromkeys(name for name, _ in executed[:2 * KERNELS_KEPT]))[:KERNELS_KEPT]
+        if device.type == "cuda":
+            row.kernel_ms = sum(microseconds for _, microseconds in executed) / 1e3
     except ProviderSkip as skip:
         row.status, row.reason = "skipped", str(skip)
         return
