@@ -74,9 +74,9 @@ def main():
         results.append(compile_variant(f"fwd {tag_varlen}", attention_fwd_kernel,
                                        dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0,
                                             VARLEN=varlen), fwd_ptrs, 8, 3))
-        # schedule 1 at the table's tiles (for bf16 d = 128 the unbanded problems' 128-key blocks, the largest
-        # forward tile, compiled here with the band); schedule 2 (opt-in) at its 128-row tiles, band on every tile
-        forward = table_tiles(dtype, headdim, causal and headdim != 128)
+        # schedule 1 at the table's tiles (for bf16 d = 128 128-key blocks, the largest forward tile, with the
+        # band); schedule 2 (opt-in) at its 128-row tiles, band on every tile
+        forward = table_tiles(dtype, headdim, causal)
         for schedule, block_n, warps, stages in ((1, forward.block_n, forward.num_warps, forward.num_stages),
                                                  (2, 128, 4, 2)):
             # host-side descriptors: (batch, heads, rows, dim) views, one head's tile per box

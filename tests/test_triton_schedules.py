@@ -106,9 +106,10 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     d64 = dataclasses.replace(base, headdim=64, headdim_v=64)
     assert default_tiles(d64, (9, 0)).num_warps == 8
     assert default_tiles(dataclasses.replace(d64, seqlen_k=1024, window_right=0), (9, 0)).num_warps == 4
-    # d = 128 without a band: 128-key blocks; with a band: 64
+    # d = 128: 128-key blocks, causal included; a sliding window (a left edge) keeps 64
     assert default_tiles(base, (9, 0)).block_n == 128
-    assert default_tiles(dataclasses.replace(base, window_right=0), (9, 0)).block_n == 64
+    assert default_tiles(dataclasses.replace(base, window_right=0), (9, 0)).block_n == 128
+    assert default_tiles(dataclasses.replace(base, window_left=256, window_right=0), (9, 0)).block_n == 64
     for other in (dataclasses.replace(base, dtype=torch.float32), dataclasses.replace(base, varlen=True)):
         assert default_tiles(other, (9, 0)).forward_schedule == 0, other
     assert default_tiles(base, (8, 0)).forward_schedule == 0

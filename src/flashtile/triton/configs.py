@@ -93,8 +93,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       session 7 the kernel built its descriptors itself and lost 4-15% to the pointer kernel at 1k
       keys; with host-side descriptors it gained 11-62% there and beats the pointer kernel (d = 128
       +9% / +11%, d = 64 +4% / +6%, non-causal / causal, same run). 8 warps, 128 query rows; d = 128
-      without a band or mask takes 128-key blocks (403 / 487 TFLOP/s at 1k / 4k against 390 / 472 with
-      64), banded problems 64-key blocks; d = 64 takes 64-key blocks (8 warps 368 against 4 warps 355 at 1k,
+      without a sliding window or mask takes 128-key blocks (403 / 487 TFLOP/s at 1k / 4k against 390 / 472
+      with 64; causal 288 / 429 against 286 / 416), sliding windows 64-key blocks; d = 64 takes 64-key blocks (8 warps 368 against 4 warps 355 at 1k,
       but banded problems below 4k keys keep 4 warps: 264-266 against 254 at 1k causal).
     - The warp-specialized loop (schedule 2, 128 x 128, 4 warps, 2 stages) is the fastest forward
       measured at d = 128 without a band (450 / 521 / 531 TFLOP/s at 1k / 4k / 16k in session 7), but it
@@ -140,10 +140,12 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # at 16k); packed batches lost with TMA (fwd+bwd 0.84x against 0.89x the dense rate, causal; 0.88x
             # against 0.90x non-causal, session 6), so they keep the pointer loads
             backward_schedule = 0 if problem.varlen else 3
-            # the TMA forward without a band: 128-key blocks (session 7, non-causal: 403 / 487 TFLOP/s at 1k /
-            # 4k against 390 / 472 with 64-key blocks); banded problems keep 64 (fewer keys wasted per edge), and
-            # so do masked ones (an attn_mask keeps to the pointer kernel, measured with 64)
-            block_n = 128 if hopper_forward and not problem.is_banded and problem.mask_kind is None else 64
+            # the TMA forward: 128-key blocks (session 7, non-causal: 403 / 487 TFLOP/s at 1k / 4k against 390 /
+            # 472 with 64-key blocks; session 8, causal: 288 / 429 against 286 / 416); sliding windows (a left
+            # edge: two edges to mask, not measured with 128) keep 64, and so do masked problems (an attn_mask
+            # keeps to the pointer kernel, measured with 64)
+            wide_keys = hopper_forward and problem.window_left < 0 and problem.mask_kind is None
+            block_n = 128 if wide_keys else 64
             return TritonTiles(128, block_n, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,
                                backward_schedule=backward_schedule)
         return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=forward_schedule)

@@ -71,6 +71,11 @@ def attention_fwd_tma_kernel(
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if HAS_RIGHT:
+        # the band closes on the right, so later query blocks see more keys: start them first (programs are
+        # dispatched in launch order, query blocks of a head next to each other, which keeps its K and V in
+        # L2), so the short ones fill the last wave
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b, h, hk = program_heads(pid_bh, nheads, group_size)
     # descriptor coordinates are int32 (program_heads gives int64 for pointer offsets)
