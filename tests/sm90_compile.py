@@ -83,10 +83,14 @@ def main():
             descriptors = {"q_desc": f"tensordesc<{dtype}[1,1,128,{width}]>",
                            "k_desc": f"tensordesc<{dtype}[1,1,{block_n},{width}]>",
                            "v_desc": f"tensordesc<{dtype}[1,1,{block_n},{width}]>"}
+            # schedule 1 on packed sequences in the bf16 d128 variants (schedule 2 keeps to dense batches)
+            packed = varlen and schedule == 1
             results.append(compile_variant(
-                f"fwd-tma schedule {schedule} {tag}", attention_fwd_tma_kernel,
-                dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal),
-                dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32"), warps, stages))
+                f"fwd-tma schedule {schedule} {tag}{' varlen' if packed else ''}", attention_fwd_tma_kernel,
+                dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal,
+                     VARLEN=packed),
+                dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32"),
+                warps, stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.reference import flash_attn_reference
+from flashtile.reference import flash_attn_reference, flash_attn_varlen_reference
 from flashtile.triton import launch
 
 from conftest import (DEVICE, INTERPRETED, assert_attention_follows_the_eager_rule, assert_close_to_oracle,
                       attention_grads, random_qkv)
 from test_flash_attn import SCENARIOS, SHAPES
 from test_varlen import LENGTHS, packed_inputs
+from test_varlen import SCENARIOS as VARLEN_SCENARIOS
 
 
 class _MustNotLaunch:
@@ -110,10 +111,56 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     assert default_tiles(base, (9, 0)).block_n == 128
     assert default_tiles(dataclasses.replace(base, window_right=0), (9, 0)).block_n == 128
     assert default_tiles(dataclasses.replace(base, window_left=256, window_right=0), (9, 0)).block_n == 64
-    for other in (dataclasses.replace(base, dtype=torch.float32), dataclasses.replace(base, varlen=True)):
-        assert default_tiles(other, (9, 0)).forward_schedule == 0, other
+    assert default_tiles(dataclasses.replace(base, varlen=True), (9, 0)).forward_schedule == 1
+    assert default_tiles(dataclasses.replace(base, dtype=torch.float32), (9, 0)).forward_schedule == 0
     assert default_tiles(base, (8, 0)).forward_schedule == 0
     assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))
+
+
+def _packed_forward(schedule, q, k, v, cu_q, cu_k, max_q, max_k, kwargs):
+    with flashtile.use_backend("triton", forward_schedule=schedule, block_m=16, block_n=16):
+        return flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kwargs)
+
+
+@pytest.mark.parametrize("grid_rows", (2048, 16), ids=("grid-covers-all", "programs-loop"))
+@pytest.mark.parametrize("scenario", ("plain", "causal", "window", "everything"))
+@pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
+def test_tma_forward_of_packed_sequences_equals_pointer_loads(monkeypatch, lengths, scenario, grid_rows, seed):
+    """Schedule 1 on packed sequences (sequences without queries or keys among them): descriptors over the packed
+    tensors, each sequence's tiles from its cu_seqlens row; out and lse bitwise the pointer kernel's in the
+    interpreter, the eager rule against float64 everywhere; with a grid smaller than the longest sequence the
+    programs loop over its blocks."""
+    from flashtile.triton import configs
+
+    monkeypatch.setattr(configs, "VARLEN_GRID_ROWS", grid_rows)
+    dtype = torch.float16
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS[lengths], 4, 2, 24, 40, dtype)
+    kwargs = VARLEN_SCENARIOS[scenario](len(LENGTHS[lengths]), 4)
+    pointer = _packed_forward(0, q, k, v, cu_q, cu_k, max_q, max_k, kwargs)
+    monkeypatch.setattr(launch, "attention_fwd_kernel", _MustNotLaunch())
+    tma = _packed_forward(1, q, k, v, cu_q, cu_k, max_q, max_k, kwargs)
+    if INTERPRETED:
+        for name, a, b in zip(("out", "lse"), tma, pointer):
+            assert torch.equal(a, b), f"{name} differs between TMA and pointer loads"
+    assert_attention_follows_the_eager_rule(tma, flash_attn_varlen_reference(q, k, v, cu_q, cu_k, **kwargs),
+                                            flash_attn_varlen_reference(q, k, v, cu_q, cu_k, dtype=dtype, **kwargs),
+                                            (q, k, v), dtype, seed)
+
+
+def test_tma_forward_of_packed_sequences_is_not_reached_by_the_next_sequences_values(monkeypatch, seed):
+    """A tile that runs past a packed sequence's last key reads the next sequence's rows; their scores are masked,
+    and their values must not reach the output even when they are inf (0 * inf): the first sequence's out and lse
+    stay finite and equal the pointer kernel's."""
+    lengths = [(20, 20), (20, 20)]  # 16-key tiles: keys 16..31 of the first sequence's last tile are 20..31
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(lengths, 2, 2, 16, 16, torch.float16, requires_grad=False)
+    k[20:23], v[20:23] = float("inf"), float("inf")
+    pointer = _packed_forward(0, q, k, v, cu_q, cu_k, max_q, max_k, {})
+    monkeypatch.setattr(launch, "attention_fwd_kernel", _MustNotLaunch())
+    tma = _packed_forward(1, q, k, v, cu_q, cu_k, max_q, max_k, {})
+    for name, a, b in zip(("out", "lse"), tma, pointer):
+        first = a[:20] if name == "out" else a[:, :20]
+        assert torch.isfinite(first).all(), f"{name} of the first sequence is not finite"
+        assert torch.equal(first, b[:20] if name == "out" else b[:, :20]), f"{name} differs from pointer loads"
 
 
 def test_warp_specialized_forward_warns_that_it_is_experimental():

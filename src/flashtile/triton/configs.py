@@ -55,8 +55,8 @@ class TritonTiles:
 
 FORWARD_SCHEDULES = {
     0: "attention_fwd_kernel, pointer loads",
-    1: ("attention_fwd_tma_kernel, host-side TMA descriptors, when strides are 16-byte aligned, the batch is "
-        "dense, there are keys and there is no attn_mask"),
+    1: ("attention_fwd_tma_kernel, host-side TMA descriptors, when strides are 16-byte aligned, there are keys "
+        "and there is no attn_mask (dense or packed batches)"),
     2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned, the batch is "
         "dense, there are keys and there is no attn_mask (opt-in and experimental: under triton 3.6 on an H200, "
         "beside other GPU processes, 3 of 382,482 reruns returned NaN; it warns when it runs)"),
@@ -119,8 +119,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         return TritonTiles(16, 16, 1, 1, 16, 16, 1, 1)
     width = max(problem.headdim, problem.headdim_v)
     hopper_16bit = capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
-    # packed sequences keep to the pointer kernel (its programs follow each sequence's own length)
-    hopper_forward = hopper_16bit and not problem.varlen
+    # packed sequences too (session 8: TMA for packed batches, value rows past a sequence's end zeroed)
+    hopper_forward = hopper_16bit
     forward_schedule = 1 if hopper_forward else 0
     if width <= 64:
         one_launch = hopper_16bit and problem.seqlen_k < 16384

@@ -36,51 +36,51 @@ writes the same out and lse.
 import triton
 import triton.language as tl
 
-from .common import alibi_slope, finish_rows, key_block_bounds, online_softmax_step, program_heads, scores
+from .common import (alibi_slope, finish_rows, key_block_bounds, online_softmax_step, program_heads, scores,
+                     sequence_bounds)
 
 
 @triton.jit
-def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, offs_m, start, end, seqlen_q, seqlen_k, score_scale,
-                        softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
+def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_m, start, end, seqlen_q, seqlen_k,
+                        score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                        HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                        HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                        VARLEN: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = k_desc.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+        k = k_desc.load([b, hk, key_row0 + n0, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right, None,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, 0)
-        v = v_desc.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_DV)
+        v = v_desc.load([b, hk, key_row0 + n0, 0]).reshape(BLOCK_N, BLOCK_DV)
+        if VARLEN and MASKED:
+            # past a packed sequence's last key the copy engine reads the next sequence's rows: their scores
+            # are masked, but 0 * inf would still reach the output, so those value rows become zeros
+            v = tl.where((offs_n < seqlen_k)[:, None], v, 0.0)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, 0, DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
-def attention_fwd_tma_kernel(
-    Q, q_desc, k_desc, v_desc, Out, Lse, Slopes,
-    stride_qb, stride_qm, stride_qh,
-    stride_ob, stride_om, stride_oh,
-    stride_slopes_b,
-    nheads, group_size, seqlen_q, seqlen_k,
-    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
-    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    if HAS_RIGHT:
-        # the band closes on the right, so later query blocks see more keys: start them first (programs are
-        # dispatched in launch order, query blocks of a head next to each other, which keeps its K and V in
-        # L2), so the short ones fill the last wave
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b, h, hk = program_heads(pid_bh, nheads, group_size)
+def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, q_start, k_start, slope,
+                             stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b, stride_lse_h,
+                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, diagonal_offset,
+                             window_left, window_right,
+                             HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                             HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                             MASK_ALL: tl.constexpr, VARLEN: tl.constexpr):
+    """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head); Out points at the entry's row 0, the descriptors'
+    rows of this entry start at q_start / k_start (0 in a dense batch, whose entry is the descriptors' batch
+    coordinate; a packed batch is batch 1 of the descriptors)."""
     # descriptor coordinates are int32 (program_heads gives int64 for pointer offsets)
     b32, h32, hk32 = b.to(tl.int32), h.to(tl.int32), hk.to(tl.int32)
-    m0 = pid_m * BLOCK_M
+    q_row0, key_row0 = q_start.to(tl.int32), k_start.to(tl.int32)
+    if VARLEN:
+        b32 = 0
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < seqlen_q
@@ -95,8 +95,7 @@ def attention_fwd_tma_kernel(
                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
         q = q_view.load([m0_desc, 0])
     else:
-        q = q_desc.load([b32, h32, m0_desc, 0]).reshape(BLOCK_M, BLOCK_D)
-    slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
+        q = q_desc.load([b32, h32, q_row0 + m0_desc, 0]).reshape(BLOCK_M, BLOCK_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -104,26 +103,76 @@ def attention_fwd_tma_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if WARP_SPECIALIZE:
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, offs_m, lo, hi,
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo, hi,
                                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                                             diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                            MASK_ALL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True)
+                                            MASK_ALL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True,
+                                            VARLEN)
     else:
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, offs_m, lo,
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo,
                                             tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale, softcap_scale,
                                             softcap_out, slope, diagonal_offset, window_left, window_right, BLOCK_N,
                                             BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                            DOT_PRECISION, False)
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, offs_m, full_lo, full_hi,
-                                            seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                                            DOT_PRECISION, False, VARLEN)
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, full_lo,
+                                            full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
+                                            slope, diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D,
+                                            BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                            DOT_PRECISION, False, VARLEN)
+        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, full_hi,
+                                            hi, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                                             diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, offs_m, full_hi, hi,
-                                            seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
-                                            diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False)
+                                            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False,
+                                            VARLEN)
 
     out, lse = finish_rows(acc, l_i, m_i)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
+    tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
-    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
+    tl.store(Lse + b * stride_lse_b + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def attention_fwd_tma_kernel(
+    Q, q_desc, k_desc, v_desc, Out, Lse, Slopes, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h,
+    stride_slopes_b,
+    nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr, VARLEN: tl.constexpr,
+):
+    tl.static_assert(not (VARLEN and WARP_SPECIALIZE), "packed sequences take the forward without warp specialization")
+    pid_m = tl.program_id(0)
+    if HAS_RIGHT:
+        # the band closes on the right, so later query blocks see more keys: start them first (programs are
+        # dispatched in launch order, query blocks of a head next to each other, which keeps its K and V in
+        # L2), so the short ones fill the last wave
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b, h, hk = program_heads(pid_bh, nheads, group_size)
+    # packed sequences (VARLEN): stride_ob is 0 and each sequence starts at its own first row
+    q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
+        CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
+    o_ptr = Out + b * stride_ob + q_start * stride_om
+    slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
+    if VARLEN:
+        # the grid covers max_seqlen_q (a hint), at most configs.VARLEN_GRID_ROWS rows: a longer sequence's
+        # extra blocks are taken in turn
+        for m0 in range(pid_m * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
+            _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, o_ptr, Lse, b, h, hk, q_start, k_start, slope,
+                                     stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
+                                     stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
+                                     diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
+                                     BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                     DOT_PRECISION, False, MASK_ALL, True)
+    else:
+        _forward_query_block_tma(pid_m * BLOCK_M, Q, q_desc, k_desc, v_desc, o_ptr, Lse, b, h, hk, q_start, k_start,
+                                 slope, stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
+                                 stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
+                                 diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
+                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                                 WARP_SPECIALIZE, MASK_ALL, False)

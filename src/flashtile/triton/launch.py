@@ -88,6 +88,12 @@ def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProb
     return slopes, slopes_stride, mask, mask_strides, scalars, flags
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    # asked on every call; torch's query costs microseconds of Python that a short call's host time feels
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def _tma_ready(tensors, attn_mask) -> bool:
     """TMA needs 16-byte aligned base addresses and strides, a GPU of sm_90+ (or the interpreter), no mask,
     and tensors that are not empty (a descriptor's every dimension is >= 1; with no keys there is nothing
@@ -95,7 +101,8 @@ def _tma_ready(tensors, attn_mask) -> bool:
     if attn_mask is not None or any(t.numel() == 0 for t in tensors):
         return False
     if not interpreting():
-        if tensors[0].device.type != "cuda" or torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+        device = tensors[0].device
+        if device.type != "cuda" or not _has_tma(device.index):
             return False
     for t in tensors:
         size = t.element_size()
@@ -173,7 +180,9 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     flags = _forward_widths(flags)
     grid = (max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m)), p.batch * p.nheads)
-    if tiles.forward_schedule > 0 and not varlen and _tma_ready((q, k, v), attn_mask):
+    # packed batches take TMA loads under schedule 1 only (the warp-specialized loop keeps to dense batches)
+    tma_schedule = tiles.forward_schedule == 1 or (tiles.forward_schedule == 2 and not varlen)
+    if tma_schedule and _tma_ready((q, k, v), attn_mask):
         mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
         if tiles.forward_schedule == 2:
             warnings.warn(WARP_SPECIALIZED_WARNING, RuntimeWarning, stacklevel=2)
@@ -183,10 +192,11 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
         attention_fwd_tma_kernel[grid](
             q, _heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
-            _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, *_row_strides(q, 1), *_row_strides(out, 1),
+            _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, cu_q, cu_k, *_row_strides(q, 1),
+            *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
             slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, **flags)
+            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen, **flags)
         return out, lse
     attention_fwd_kernel[grid](
         q, k, v, out, lse, slopes, mask, cu_q, cu_k,
