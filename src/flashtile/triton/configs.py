@@ -89,13 +89,15 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     """The table. capability is the CUDA compute capability, or None under the interpreter.
 
     Measured on the H200 (BENCHMARKS.md, 2026-11-29 sweeps, bf16, d = 64 and 128, N = 1k..16k):
-    - Hopper forward for fp16/bf16, dense batches: TMA loads (schedule 1) at every length. Until
-      session 7 the kernel built its descriptors itself and lost 4-15% to the pointer kernel at 1k
-      keys; with host-side descriptors it gained 11-62% there and beats the pointer kernel (d = 128
-      +9% / +11%, d = 64 +4% / +6%, non-causal / causal, same run). 8 warps, 128 query rows; d = 128
-      without a sliding window or mask takes 128-key blocks (403 / 487 TFLOP/s at 1k / 4k against 390 / 472
-      with 64; causal 288 / 429 against 286 / 416), sliding windows 64-key blocks; d = 64 takes 64-key blocks (8 warps 368 against 4 warps 355 at 1k,
-      but banded problems below 4k keys keep 4 warps: 264-266 against 254 at 1k causal).
+    - Hopper forward for fp16/bf16: TMA loads (schedule 1) at every length. Until session 7 the kernel
+      built its descriptors itself and lost 4-15% to the pointer kernel at 1k keys; with host-side
+      descriptors it gained 11-62% there and beats the pointer kernel (d = 128 +9% / +11%, d = 64 +4% /
+      +6%, non-causal / causal, same run). Packed batches too since session 8 (forward 0.93x / 0.95x the
+      dense rate against the pointer kernel's 0.85x / 0.89x, non-causal / causal). 8 warps, 128 query
+      rows; d = 128 without a sliding window or mask takes 128-key blocks (403 / 487 TFLOP/s at 1k / 4k
+      against 390 / 472 with 64; causal +1.6% / +3.4% / +4% at 1k / 4k / 16k), sliding windows 64-key
+      blocks; d = 64 takes 64-key blocks (8 warps 368 against 4 warps 355 at 1k, but banded problems
+      below 4k keys keep 4 warps: 264-266 against 254 at 1k causal).
     - The warp-specialized loop (schedule 2, 128 x 128, 4 warps, 2 stages) is the fastest forward
       measured at d = 128 without a band (450 / 521 / 531 TFLOP/s at 1k / 4k / 16k in session 7), but it
       stays opt-in and warns: under triton 3.6, rerun beside other GPU processes, one of 6 x 10^5 runs

@@ -26,9 +26,20 @@ split needs the query tile's descriptor built in the kernel (the pass gives each
 with a half-height box): with a host descriptor triton 3.9 refuses the kernel, and pointer loads of Q
 trip an assertion of the pass in both 3.6 and 3.9 (session 7, compiled for sm_90).
 
+Packed variable-length batches (VARLEN, schedule 1 only) use the same descriptors over the packed
+(1, total, heads, dim) tensors: a program's tiles start at its sequence's cu_seqlens row, and it loops
+over its sequence's query blocks beyond the grid as fwd.py does. Where a tile runs past the sequence's
+last key the copy engine reads the next sequence's rows instead of zeros: their scores are masked like
+any key past the end, and their value rows are zeroed in the masked blocks, so that a non-finite value
+there cannot reach the output through 0 * inf. Query rows past the end are computed and never stored.
+
+With a band that closes on the right (causal) the query blocks are taken from the last one down: the
+blocks that see the most keys start first and short ones fill the last wave (+6% at 16k keys, d = 128,
+on an H200; within -2.5% .. +1% at 1k and 4k; BENCHMARKS.md, session 8).
+
 Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
-multiples of 8 for 2-byte dtypes), a non-empty key sequence, no user mask (masks keep to fwd.py).
+multiples of 8 for 2-byte dtypes), a non-empty key tensor, no user mask (masks keep to fwd.py).
 Everything else (band, softcap, ALiBi, GQA, dv != d, both alignments) is as in fwd.py; the kernel
 writes the same out and lse.
 """
