@@ -6,32 +6,36 @@ each line tagged with the label given. Run it once per tree, interleaved, e.g.
 
     PYTHONPATH=old/src python benchmarks/causal_forward.py old1; PYTHONPATH=src python benchmarks/causal_forward.py new1
 """
+from __future__ import annotations
+
 import sys
+
 import torch
 import triton.testing
-from torch.profiler import ProfilerActivity, profile
+
 import flashtile
 
-label = sys.argv[1]
+from host_overhead import kernel_ms
 
-def kernel_us(fn, calls=20):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
 
-for d in (128, 64):
-    for n in (1024, 4096, 16384):
-        b, h = 16384 // n, 2048 // d
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 2 * b * h * n * n * d
-        for block_n in ((64, 128) if d == 128 else (64,)):
-            def fn():
-                with flashtile.use_backend("triton", block_n=block_n):
-                    return flashtile.flash_attn_func(q, k, v, causal=True)
-            fn()
-            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-            us = kernel_us(fn)
-            print(f"{label} d{d} N{n} causal block_n {block_n}: kernel {us:7.1f} us ({flops / us / 1e6:5.1f} TFLOP/s), "
-                  f"do_bench {ms * 1e3:7.1f} us ({flops / ms / 1e9:5.1f})", flush=True)
+def main(label: str) -> None:
+    for d in (128, 64):
+        for n in (1024, 4096, 16384):
+            batch, heads = 16384 // n, 2048 // d
+            q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            flops = 2 * batch * heads * n * n * d
+            for block_n in ((64, 128) if d == 128 else (64,)):
+                def forward():
+                    with flashtile.use_backend("triton", block_n=block_n):
+                        return flashtile.flash_attn_func(q, k, v, causal=True)
+
+                forward()
+                timed = triton.testing.do_bench(forward, warmup=25, rep=100, return_mode="median")
+                kernel = kernel_ms(forward, calls=20)
+                print(f"{label} d{d} N{n} causal block_n {block_n}: kernel {kernel * 1e3:7.1f} us "
+                      f"({flops / kernel / 1e9:5.1f} TFLOP/s), do_bench {timed * 1e3:7.1f} us "
+                      f"({flops / timed / 1e9:5.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "run")

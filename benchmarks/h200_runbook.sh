@@ -20,12 +20,14 @@
 #   bash benchmarks/h200_runbook.sh bwdhost   # the backward's TMA schedules with host-side descriptors (branch
 #                                             # prepared/backward-host-descriptors): GPU tests, then schedules 0-3
 #                                             # timed in one run (pointer vs TMA loads, two launches vs one)
+#   bash benchmarks/h200_runbook.sh hostkernel # host time against kernel time at the 1k forward cells
+#                                             # (host_vs_kernel.py), then the causal forward (causal_forward.py)
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost or wsstress}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel or wsstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -111,6 +113,11 @@ case $stage in
       --providers "flashtile[triton:bwd1],flashtile[triton:bwd3],flashtile[triton:bwd0],flashtile[triton:bwd2]" \
       --json "$out/$date-h200-backward-host-descriptors.json" > "$out/bwdhost.txt" 2>/dev/null
     grep "^flashtile" "$out/bwdhost.txt" | cut -c1-100 ;;
+  hostkernel)
+    timeout 120 python benchmarks/host_vs_kernel.py > "$out/host-vs-kernel.txt" 2>&1
+    grep round "$out/host-vs-kernel.txt"
+    timeout 120 python benchmarks/causal_forward.py now > "$out/causal-forward.txt" 2>&1
+    grep kernel "$out/causal-forward.txt" ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \
