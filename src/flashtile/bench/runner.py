@@ -231,7 +231,9 @@ class Row:
         """The timed call took longer than its GPU work by more than HOST_BOUND_MARGIN: do_bench times from
         an event recorded before the call is issued, so when issuing it from Python takes longer than the GPU
         has queued, the GPU idles inside the measurement and TFLOP/s describe the host, not the kernels."""
-        return self.ms is not None and self.kernel_ms is not None and self.ms > self.kernel_ms * (1 + HOST_BOUND_MARGIN)
+        if self.ms is None or self.kernel_ms is None:
+            return False
+        return self.ms > self.kernel_ms * (1 + HOST_BOUND_MARGIN)
 
 
 @dataclass(frozen=True)
