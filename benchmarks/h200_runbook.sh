@@ -22,12 +22,14 @@
 #                                             # timed in one run (pointer vs TMA loads, two launches vs one)
 #   bash benchmarks/h200_runbook.sh hostkernel # host time against kernel time at the 1k forward cells
 #                                             # (host_vs_kernel.py), then the causal forward (causal_forward.py)
+#   bash benchmarks/h200_runbook.sh d64bwd    # d = 64 backward tiles that ptxas compiles without spills (64 x 64 /
+#                                             # 8 warps) beside the table's 32 x 128 / 4 warps, fwd+bwd
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel or wsstress}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd or wsstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -118,6 +120,10 @@ case $stage in
     grep round "$out/host-vs-kernel.txt"
     timeout 120 python benchmarks/causal_forward.py now > "$out/causal-forward.txt" 2>&1
     grep kernel "$out/causal-forward.txt" ;;
+  d64bwd)
+    timeout 240 python benchmarks/tune_triton.py --headdim 64 --modes fwd+bwd --peers flash \
+      --bwd-configs 64x64w8s3t1,64x64w8s4t1,64x64w8s3t0,32x128w8s4t1,64x128w8s2t1 > "$out/bwd-tiles-d64.txt" 2>&1
+    grep -h TFLOP "$out/bwd-tiles-d64.txt" | cut -c1-120 ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \
