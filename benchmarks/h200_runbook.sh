@@ -20,8 +20,8 @@
 #   bash benchmarks/h200_runbook.sh bwdhost   # the backward's TMA schedules with host-side descriptors (branch
 #                                             # prepared/backward-host-descriptors): GPU tests, then schedules 0-3
 #                                             # timed in one run (pointer vs TMA loads, two launches vs one)
-#   bash benchmarks/h200_runbook.sh hostkernel # host time against kernel time at the 1k forward cells
-#                                             # (host_vs_kernel.py), then the causal forward (causal_forward.py)
+#   bash benchmarks/h200_runbook.sh hostkernel # host time against kernel time at the 1k cells (host_overhead.py),
+#                                             # then the causal forward's kernel time (causal_forward.py)
 #   bash benchmarks/h200_runbook.sh d64bwd    # d = 64 backward tiles that ptxas compiles without spills (64 x 64 /
 #                                             # 8 warps) beside the table's 32 x 128 / 4 warps, fwd+bwd
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
@@ -116,8 +116,8 @@ case $stage in
       --json "$out/$date-h200-backward-host-descriptors.json" > "$out/bwdhost.txt" 2>/dev/null
     grep "^flashtile" "$out/bwdhost.txt" | cut -c1-100 ;;
   hostkernel)
-    timeout 120 python benchmarks/host_vs_kernel.py > "$out/host-vs-kernel.txt" 2>&1
-    grep round "$out/host-vs-kernel.txt"
+    timeout 120 python benchmarks/host_overhead.py > "$out/host-overhead.txt" 2>&1
+    grep -E "^(floor|d |decode)" "$out/host-overhead.txt"
     timeout 120 python benchmarks/causal_forward.py now > "$out/causal-forward.txt" 2>&1
     grep kernel "$out/causal-forward.txt" ;;
   d64bwd)

@@ -118,9 +118,12 @@ def main() -> None:
             for schedule, launches in ((0, "two-launch"), (1, "one-launch")):
                 with flashtile.use_backend("triton", backward_schedule=schedule):
                     report(f"d {d}, {h} heads, 1k causal fwd+bwd, {launches} backward", step)
-            with torch.no_grad():
-                report(f"d {d}, {h} heads, 1k causal forward alone",
-                       lambda: flashtile.flash_attn_func(q, k, v, causal=True))
+            # the forward alone, both ways: the grid's 1k causal forward cells are the ones whose kernels take
+            # about as long as the call's host time (BENCHMARKS.md, session 8)
+            for causal in (True, False):
+                with torch.no_grad():
+                    report(f"d {d}, {h} heads, 1k {'causal' if causal else 'non-causal'} forward alone",
+                           lambda: flashtile.flash_attn_func(q, k, v, causal=causal))
         q = torch.randn(1, 1, 32, 128, device=device, dtype=dtype)
         k_cache, v_cache = (torch.randn(1, 4096, 8, 128, device=device, dtype=dtype) for _ in range(2))
         lengths = torch.full((1,), 4096, dtype=torch.int32, device=device)

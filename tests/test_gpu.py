@@ -199,8 +199,8 @@ def test_varlen_never_synchronises_so_cuda_graphs_capture_it():
 
 def test_tma_forward_and_backward_replay_from_a_cuda_graph():
     """The TMA forward's host-side descriptors hold the tensors' addresses: a captured call replays on new
-    values copied into the same tensors. 4,100 keys at d = 128: the backward's TMA schedule too, whose
-    descriptors are built in the kernel, in scratch memory allocated during the capture."""
+    values copied into the same tensors. d = 128: the backward's TMA schedule too, whose host-side
+    descriptors are captured the same way."""
     q, k, v = random_qkv(1, 4100, 4100, 4, 2, 128, 128, torch.bfloat16, requires_grad=True)
     grad = torch.randn(1, 4100, 4, 128, device=DEVICE, dtype=torch.bfloat16)
 

@@ -18,9 +18,10 @@ With USE_TMA (backward schedules 2 and 3, dense batches) the tiles a program str
 K and V in dQ) come from host-side tensor descriptors, (batch, heads, rows, dim) views whose box is one
 head's tile, instead of pointer tiles: the copy engine zero-fills rows past the sequence's end and
 columns past a padded head dim, and the loop keeps no per-element addresses or bounds in registers (on
-an H200, d = 128, with descriptors then built in every program: fewer spills, and +1% to +7% from 4k
-keys; BENCHMARKS.md). The arithmetic is the same. Packed batches keep pointer loads: a descriptor over the
-packed tensor would read the next sequence's rows where a sequence ends.
+an H200, d = 128: +2% to +10% over pointer loads, 0% at 16k causal; BENCHMARKS.md, session 8). The
+arithmetic is the same. Packed batches keep pointer loads: a descriptor over the packed tensor reads the
+next sequence's rows where a sequence ends, and a version that zeroed them measured 4.5-11% slower than
+the pointer loads (session 8, branch prepared/packed-tma-backward).
 
 Packed variable-length batches (VARLEN) work as in fwd.py: batch entry b is sequence b of the
 packed tensors, and each program loops over its sequence's real blocks. The preprocess kernel needs
