@@ -92,8 +92,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     - Hopper forward for fp16/bf16: TMA loads (schedule 1) at every length. Until session 7 the kernel
       built its descriptors itself and lost 4-15% to the pointer kernel at 1k keys; with host-side
       descriptors it gained 11-62% there and beats the pointer kernel (d = 128 +9% / +11%, d = 64 +4% /
-      +6%, non-causal / causal, same run). Packed batches too since session 8 (forward 0.93x / 0.95x the
-      dense rate against the pointer kernel's 0.85x / 0.89x, non-causal / causal). 8 warps, 128 query
+      +6%, non-causal / causal, same run). Packed batches too since session 8 (forward 0.93x / 0.91-0.95x
+      the dense rate against the pointer kernel's 0.85x / 0.89x, non-causal / causal). 8 warps, 128 query
       rows; d = 128 without a sliding window or mask takes 128-key blocks (403 / 487 TFLOP/s at 1k / 4k
       against 390 / 472 with 64; causal +1.6% / +3.4% / +4% at 1k / 4k / 16k), sliding windows 64-key
       blocks; d = 64 takes 64-key blocks (8 warps 368 against 4 warps 355 at 1k, but banded problems
