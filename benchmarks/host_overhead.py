@@ -11,8 +11,11 @@ and the floors any Python-launched kernel pays on that host: one launch of an em
 one argument and with 40 (about what the attention kernels take), the same compiled kernel relaunched
 without Triton's argument binder (what a launcher caching its compiled kernels would pay), and one
 torch.empty. The fwd+bwd steps are timed with the table's backward and with each backward schedule forced.
+With --quick: only the table's calls, no cProfile, the host time as the lowest and the median of 9 rounds of
+40 calls, each line tagged with the label after --quick (for A/B runs of two source trees, interleaved:
+PYTHONPATH=old/src python benchmarks/host_overhead.py --quick old1).
 
-    python benchmarks/host_overhead.py
+    python benchmarks/host_overhead.py [--quick LABEL]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import sys
 import time
 
 import torch
@@ -51,10 +55,18 @@ def host_ms(fn, calls: int = 50) -> float:
     return seconds / calls * 1e3
 
 
+QUICK = "--quick" in sys.argv
+
+
 def report(name: str, fn) -> None:
     fn()
     torch.cuda.synchronize()
     median = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    if QUICK:  # the host's noise is large between runs: the lowest and the median of 9 rounds of 40 calls
+        rounds = sorted(host_ms(fn, calls=40) for _ in range(9))
+        print(f"{LABEL}{name}: median {median:.3f} ms, host min {rounds[0] * 1e3:.1f} / median "
+              f"{rounds[4] * 1e3:.1f} us/call, kernels {kernel_ms(fn):.3f} ms/call", flush=True)
+        return
     print(f"{name}: median {median:.3f} ms, host {host_ms(fn):.3f} ms/call, kernels {kernel_ms(fn):.3f} ms/call",
           flush=True)
     profiler = cProfile.Profile()
@@ -76,6 +88,9 @@ def _empty_kernel_40_args(X, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a
                           a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33, a34,
                           B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
     pass
+
+
+LABEL = sys.argv[-1] + " " if QUICK and sys.argv[-1] != "--quick" else ""
 
 
 def launch_floors(device: torch.device) -> None:
@@ -105,7 +120,8 @@ def launch_floors(device: torch.device) -> None:
 def main() -> None:
     device, dtype = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
-    launch_floors(device)
+    if not QUICK:
+        launch_floors(device)
     with flashtile.use_backend("triton"):
         for d, h in ((128, 16), (64, 32)):
             q, k, v = (torch.randn(16, 1024, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -115,7 +131,7 @@ def main() -> None:
                 return torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), grad)
 
             report(f"d {d}, {h} heads, 1k causal fwd+bwd", step)
-            for schedule, launches in ((0, "two-launch"), (1, "one-launch")):
+            for schedule, launches in (() if QUICK else ((0, "two-launch"), (1, "one-launch"))):
                 with flashtile.use_backend("triton", backward_schedule=schedule):
                     report(f"d {d}, {h} heads, 1k causal fwd+bwd, {launches} backward", step)
             # the forward alone, both ways: the grid's 1k causal forward cells are the ones whose kernels take

@@ -142,7 +142,7 @@ class TritonBackend:
         return list(dataclasses.astuple(tiles))
 
     def tiles_from_list(self, values: list[int]) -> triton_configs.TritonTiles:
-        return triton_configs.TritonTiles(*values)
+        return _triton_tiles(tuple(values))
 
     def describe_tiles(self, problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:
         if problem.varlen:
@@ -174,6 +174,12 @@ class TritonBackend:
 
         return launch.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
                                cu_seqlens_q, cu_seqlens_k)
+
+
+@functools.lru_cache(maxsize=256)
+def _triton_tiles(values: tuple[int, ...]) -> triton_configs.TritonTiles:
+    # every eager call turns its resolved tile tuple into the tiles object: built once per distinct tuple
+    return triton_configs.TritonTiles(*values)
 
 
 BACKENDS = {"torch": TorchBackend(), "triton": TritonBackend()}

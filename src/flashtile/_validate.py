@@ -99,7 +99,9 @@ def _require_bool(name: str, value: object) -> bool:
 
 
 def _require_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    # plain floats and ints first: the numbers.Real check is an ABC lookup, on every call's host time
+    if type(value) is not float and type(value) is not int and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     value = float(value)
     if not math.isfinite(value):
@@ -166,7 +168,7 @@ def _check_window(window_size: object, causal: bool) -> tuple[int, int]:
         raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
     left, right = window_size
     for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise TypeError(f"window_size {side} must be an int, got {value!r} ({type(value).__name__})")
         if value < -1:
             raise ValueError(f"window_size {side} is {value}; it must be -1 (unbounded) or >= 0")

@@ -25,6 +25,7 @@ from .configs import TritonTiles, interpreting
 from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
+from .relaunch import launch
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions in recent
@@ -98,16 +99,20 @@ def _tma_ready(tensors, attn_mask) -> bool:
     """TMA needs 16-byte aligned base addresses and strides, a GPU of sm_90+ (or the interpreter), no mask,
     and tensors that are not empty (a descriptor's every dimension is >= 1; with no keys there is nothing
     to stream, and the pointer kernels write the empty rows)."""
-    if attn_mask is not None or any(t.numel() == 0 for t in tensors):
+    if attn_mask is not None:
         return False
     if not interpreting():
         device = tensors[0].device
         if device.type != "cuda" or not _has_tma(device.index):
             return False
+    # plain loops: this runs on every call, and generator expressions cost host time here
     for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((stride * size) % 16 for stride in t.stride()[:-1]):
+        if t.numel() == 0 or t.data_ptr() % 16:
             return False
+        size = t.element_size()
+        for stride in t.stride()[:-1]:
+            if stride * size % 16:
+                return False
     return True
 
 
@@ -124,13 +129,24 @@ def _tma_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+class _CheckedDescriptor(TensorDescriptor):
+    """A host-side TMA descriptor whose rules (16-byte aligned base and strides, unit last stride, positive
+    dims, power-of-two box) _tma_ready and the tile table have already checked: TensorDescriptor's own
+    checks cost ~2.5 us of host time per descriptor (CI machine), three or four descriptors a call."""
+
+    def __post_init__(self):
+        pass
+
+
 def _heads_view(t: torch.Tensor, block_rows: int, block_width: int) -> TensorDescriptor:
     """A host-side TMA descriptor over a (batch, rows, heads, dim) tensor, seen as (batch, heads, rows, dim) so
     that a [1, 1, block_rows, block_width] box is one head's tile: the copy engine zero-fills rows past the
-    sequence and columns past dim, and clips stores there. Every dimension must be >= 1."""
+    sequence and columns past dim, and clips stores there. Every dimension must be >= 1 and the tensor must
+    pass _tma_ready."""
     batch, rows, heads, dim = t.shape
-    return TensorDescriptor(t, [batch, heads, rows, dim], [t.stride(0), t.stride(2), t.stride(1), 1],
-                            [1, 1, block_rows, block_width])
+    stride_b, stride_m, stride_h, _ = t.stride()
+    return _CheckedDescriptor(t, [batch, heads, rows, dim], [stride_b, stride_h, stride_m, 1],
+                              [1, 1, block_rows, block_width])
 
 
 def _packing(q, k, cu_seqlens_q, cu_seqlens_k):
@@ -190,20 +206,20 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
                 triton.set_allocator(_tma_scratch)  # its query tile's in-kernel descriptor (fwd_tma.py)
         del flags["MASK_KIND"]
         block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
-        attention_fwd_tma_kernel[grid](
-            q, _heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
-            _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, cu_q, cu_k, *_row_strides(q, 1),
-            *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
-            slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+        launch(
+            attention_fwd_tma_kernel, grid,
+            (q, _heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
+             _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, cu_q, cu_k),
+            (*_row_strides(q, 1), *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
+             slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen, **flags)
         return out, lse
-    attention_fwd_kernel[grid](
-        q, k, v, out, lse, slopes, mask, cu_q, cu_k,
-        *_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k), *_row_strides(out, batch_q),
-        lse.stride(0) * batch_q, lse.stride(1),
-        slopes_stride, *mask_strides,
-        p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+    launch(
+        attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, mask, cu_q, cu_k),
+        (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k), *_row_strides(out, batch_q),
+         lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
+         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         VARLEN=varlen, **flags)
     return out, lse
@@ -230,9 +246,9 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     delta = torch.empty_like(lse)
     # rows are independent here: a packed batch is one long sequence to the preprocess kernel
     rows, batch = out.shape[1], out.shape[0]
-    attention_bwd_preprocess_kernel[(_cdiv(rows, 64), batch * p.nheads)](
-        out, grad_out, grad_lse, delta, *_row_strides(out, 1), *_row_strides(grad_out, 1),
-        p.nheads, rows, HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
+    launch(
+        attention_bwd_preprocess_kernel, (_cdiv(rows, 64), batch * p.nheads), (out, grad_out, grad_lse, delta),
+        (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows), HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
     inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
               *_row_strides(grad_out, batch_q))
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
@@ -255,22 +271,25 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     # the dQ programs' tile is transposed
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.bwd_block_n))
     if tiles.backward_one_launch and k.shape[1] > 0:
-        attention_bwd_kernel[(key_programs * p.nheads_k + query_programs * p.nheads, p.batch)](
-            q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k,
-            *inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
-            p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars,
+        launch(
+            attention_bwd_kernel, (key_programs * p.nheads_k + query_programs * p.nheads, p.batch),
+            (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k),
+            (*inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
+             p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
         return dq, dk, dv
     if k.shape[1] > 0:
-        attention_bwd_dkdv_kernel[(key_programs, p.batch * p.nheads_k)](
-            q, k, v, grad_out, *descriptors, lse, delta, dk, dv, slopes, mask, cu_q, cu_k,
-            *inputs, *dk_strides, *dv_strides, *stats,
-            p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+        launch(
+            attention_bwd_dkdv_kernel, (key_programs, p.batch * p.nheads_k),
+            (q, k, v, grad_out, *descriptors, lse, delta, dk, dv, slopes, mask, cu_q, cu_k),
+            (*inputs, *dk_strides, *dv_strides, *stats, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k,
+             *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
     # the dQ kernel uses the transposed tile: bwd_block_n query rows against bwd_block_m keys
-    attention_bwd_dq_kernel[(query_programs, p.batch * p.nheads)](
-        q, k, v, grad_out, *descriptors, lse, delta, dq, slopes, mask, cu_q, cu_k,
-        *inputs, *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars,
+    launch(
+        attention_bwd_dq_kernel, (query_programs, p.batch * p.nheads),
+        (q, k, v, grad_out, *descriptors, lse, delta, dq, slopes, mask, cu_q, cu_k),
+        (*inputs, *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
         BLOCK_M=tiles.bwd_block_n, BLOCK_N=tiles.bwd_block_m, **bwd)
     return dq, dk, dv
 
@@ -401,18 +420,19 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     k_cache, v_cache = call.k_cache, call.v_cache
     seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
     _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
-    attention_decode_kernel[(splits, batch * p.nheads_k, row_blocks)](
-        q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse,
-        *_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
-        *_row_strides(out, 1),
-        p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity, call.page_size or 1,
-        k_cache.shape[0], blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out, window_left,
-        window_right, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_PER_BLOCK=shape.page_per_block,
+    launch(
+        attention_decode_kernel, (splits, batch * p.nheads_k, row_blocks),
+        (q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse),
+        (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
+         *_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
+         call.page_size or 1, k_cache.shape[0], blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out,
+         window_left, window_right),
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_PER_BLOCK=shape.page_per_block,
         SPLIT=splits > 1, num_warps=shape.num_warps,
         num_stages=shape.num_stages, **flags)
     if splits > 1:
-        attention_decode_combine_kernel[(batch * p.nheads_k, rows)](
-            part_out, part_lse, out, lse, *_row_strides(out, 1),
-            p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded,
+        launch(
+            attention_decode_combine_kernel, (batch * p.nheads_k, rows), (part_out, part_lse, out, lse),
+            (*_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded),
             HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(splits))
     return out, lse

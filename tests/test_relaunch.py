@@ -1,0 +1,138 @@
+"""flashtile.triton.relaunch: compiled kernels relaunched without Triton's binder.
+
+On the CPU the interpreter runs every launch through Triton, so these tests switch the relaunch path on
+by hand: they check that the key separates what Triton specialises on, that every kernel's launch site
+follows the tensors / scalars / constexprs contract, and that a relaunch hands the compiled kernel every
+argument in signature order. On a GPU (FLASHTILE_TEST_DEVICE=cuda) the real relaunch runs: its results
+must equal, bit for bit, those of the first call of the same shape (which went through Triton's binder).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+import flashtile
+from flashtile.triton import relaunch
+
+from conftest import DEVICE, INTERPRETED, random_qkv
+
+
+def _key(tensors=(), scalars=(), **options):
+    return relaunch.launch_key(test_launch_key_separates_what_triton_specialises_on, tensors, scalars, options)
+
+
+@pytest.fixture
+def on_cpu_device(monkeypatch):
+    monkeypatch.setattr(relaunch, "_device", lambda: 0)
+
+
+def test_launch_key_separates_what_triton_specialises_on(on_cpu_device):
+    x = torch.empty(64, dtype=torch.float16)
+    base = _key((x,), (16, 2.0), BLOCK=16, num_warps=4)
+    assert base == _key((torch.empty(64, dtype=torch.float16),), (16, 2.0), BLOCK=16, num_warps=4)
+    different = [
+        _key((x.view(torch.bfloat16),), (16, 2.0), BLOCK=16, num_warps=4),  # dtype
+        _key((x[1:],), (16, 2.0), BLOCK=16, num_warps=4),  # 2 bytes off a 16-byte boundary
+        _key((x,), (17, 2.0), BLOCK=16, num_warps=4),  # an int's value
+        _key((x,), (True, 2.0), BLOCK=16, num_warps=4),  # a bool where an int was (True == 1 in Python)
+        _key((x,), (16, 2), BLOCK=16, num_warps=4),  # an int where a float was
+        _key((x,), (16, 2.0), BLOCK=32, num_warps=4),  # a constexpr
+        _key((x,), (16, 2.0), BLOCK=16, num_warps=8),  # a launch option
+    ]
+    assert all(key != base for key in different)
+    assert _key((x,), (1,)) != _key((x,), (True,))
+    rows = torch.empty(4, 64, 8, dtype=torch.float16)
+    box = TensorDescriptor(rows, [4, 64, 8], list(rows.stride()), [1, 16, 8])
+    wider = TensorDescriptor(rows, [4, 64, 8], list(rows.stride()), [1, 32, 8])
+    assert _key((box,)) == _key((TensorDescriptor(torch.empty_like(rows), [4, 64, 8], list(rows.stride()),
+                                                  [1, 16, 8]),))
+    assert _key((box,)) != _key((wider,))
+
+
+def test_a_stand_in_without_a_jit_function_is_launched_through_itself_every_time(monkeypatch, on_cpu_device):
+    """Tests wrap kernels in recorders (test_triton_schedules.py); such a wrapper has no `fn` to read the
+    signature from, so nothing is cached for it and each launch reaches it."""
+    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "_compiled", {})
+    grids = []
+
+    class StandIn:
+        def __getitem__(self, grid):
+            return lambda *args, **options: grids.append(grid)
+
+    stand_in, x = StandIn(), torch.empty(16)
+    for _ in range(3):
+        relaunch.launch(stand_in, (2,), (x,), (1,), BLOCK=16)
+    assert grids == [(2,)] * 3
+    assert not relaunch._compiled
+
+
+class _RecordingKernel:
+    """Stands in for a compiled kernel: records what a relaunch passes it."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="switches the relaunch path on by hand under the CPU interpreter")
+def test_every_launch_site_relaunches_with_its_arguments_in_signature_order(monkeypatch, on_cpu_device):
+    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "_compiled", {})
+    interpret = relaunch._first_launch
+
+    def first_launch(kernel, grid, args, options):  # the interpreter runs it; a recorder stands for the result
+        interpret(kernel, grid, args, options)
+        return _RecordingKernel(kernel)
+
+    monkeypatch.setattr(relaunch, "_first_launch", first_launch)
+
+    def step():
+        q, k, v = random_qkv(2, 37, 45, 4, 2, 24, 40, torch.float32, requires_grad=True)
+        with flashtile.use_backend("triton", backward_schedule=0):
+            flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
+        with flashtile.use_backend("triton", backward_schedule=1):
+            flashtile.flash_attn_func(q, k, v).sum().backward()
+        k_cache, v_cache = torch.randn(2, 64, 2, 24), torch.randn(2, 64, 2, 40)
+        with flashtile.use_backend("triton"):
+            flashtile.flash_attn_with_kvcache(q[:, :1].detach(), k_cache, v_cache, cache_seqlens=50, num_splits=3)
+
+    step()
+    assert len(relaunch._compiled) >= 6, "forward, preprocess, both backward schedules, decode and its combine"
+    step()  # every key is known now: each launch goes to a recording kernel
+    for compiled, tail in relaunch._compiled.values():
+        assert compiled.launches, f"{compiled.kernel.fn.__name__} was not relaunched"
+        for grid, args in compiled.launches:
+            assert len(grid) == 3
+            assert len(args) == len(compiled.kernel.arg_names), compiled.kernel.fn.__name__
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: run with FLASHTILE_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_relaunched_kernels_give_the_first_calls_bits(causal, monkeypatch):
+    monkeypatch.setattr(relaunch, "_compiled", {})
+    q, k, v = random_qkv(2, 1000, 1100, 8, 2, 128, 128, torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 1000, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+
+    def step():
+        out = flashtile.flash_attn_func(q, k, v, causal=causal)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+    first = step()  # through Triton's binder; the keys are recorded
+    assert relaunch._compiled, "no compiled kernel was recorded"
+    launches = len(relaunch._compiled)
+    again = step()  # relaunched
+    assert len(relaunch._compiled) == launches, "the second call made new keys"
+    for name, a, b in zip(("out", "dq", "dk", "dv"), first, again):
+        assert torch.equal(a, b), f"{name} differs after a relaunch"
+    # a view 2 bytes off a 16-byte boundary is another key (and the pointer kernel: TMA needs alignment)
+    offset = torch.empty(q.numel() + 8, device=DEVICE, dtype=q.dtype)[1:1 + q.numel()].view(q.shape)
+    offset.copy_(q)
+    out = flashtile.flash_attn_func(offset, k, v, causal=causal)
+    assert len(relaunch._compiled) > launches
+    assert (out.float() - first[0].float()).abs().max().item() < 2e-2
