@@ -117,43 +117,6 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))
 
 
-def test_heavy_query_blocks_go_first_only_for_causal_wide_key_tiles():
-    """The TMA forward reverses a head's query blocks when the band closes on the right and the key tile is
-    wider than 64 columns (d = 64 lost 2.5% at 4k with the reversal, session 8)."""
-    import dataclasses
-
-    from flashtile.triton.configs import heavy_query_blocks_first
-
-    base = _table_problem(4096, 128)
-    causal = dataclasses.replace(base, window_right=0)
-    assert heavy_query_blocks_first(causal, 128)
-    assert heavy_query_blocks_first(dataclasses.replace(causal, window_left=256), 128)
-    assert not heavy_query_blocks_first(causal, 64)
-    assert not heavy_query_blocks_first(base, 128)
-    assert not heavy_query_blocks_first(dataclasses.replace(base, window_left=256), 128)
-
-
-@pytest.mark.parametrize("scenario", ("causal", "everything"))
-def test_tma_forward_with_heavy_query_blocks_first_follows_the_eager_rule(scenario, seed):
-    """Head dim 72 (a 128-column key tile) with the band closing on the right: the query blocks launch
-    last-first; several of them, ragged, so the reversed order is exercised."""
-    dtype = torch.float16
-    shape = (2, 53, 61, 4, 2, 72, 72)
-    kwargs = SCENARIOS[scenario](shape)
-    q, k, v = random_qkv(*shape, dtype)
-    call = flashtile._validate.prepare_flash_attn(
-        q, k, v, dropout_p=0.0, softmax_scale=kwargs.get("softmax_scale"), causal=kwargs.get("causal", False),
-        window_size=kwargs.get("window_size", (-1, -1)), softcap=kwargs.get("softcap", 0.0),
-        alibi_slopes=kwargs.get("alibi_slopes"), deterministic=False, return_attn_probs=False, return_lse=False)
-    assert launch.configs.heavy_query_blocks_first(call.problem, launch._block_width(72))
-    with flashtile.use_backend("triton", forward_schedule=1, block_m=16, block_n=16):
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-    ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
-    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype, **kwargs)
-    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
-    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
-
-
 def _packed_forward(schedule, q, k, v, cu_q, cu_k, max_q, max_k, kwargs):
     with flashtile.use_backend("triton", forward_schedule=schedule, block_m=16, block_n=16):
         return flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kwargs)

@@ -81,16 +81,6 @@ TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
 VARLEN_GRID_ROWS = 2048
 
 
-def heavy_query_blocks_first(problem: AttentionProblem, block_d: int) -> bool:
-    """Whether the TMA forward launches a head's query blocks last-first (attention_fwd_tma_kernel HEAVY_FIRST).
-
-    Only where the band closes on the right (causal): the last query blocks then see the most keys. H200
-    (session 8, kernel time, two interleaved runs): d = 128 +6% at 16k, -1.5..+1% at 1k and 4k; d = 64 0.0% /
-    -2.5% / +0.2% at 1k / 4k / 16k, so key tiles of 64 columns or fewer keep launch order.
-    """
-    return problem.window_right >= 0 and block_d > 64
-
-
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

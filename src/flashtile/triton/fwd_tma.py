@@ -155,14 +155,13 @@ def attention_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr, VARLEN: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr,
 ):
     tl.static_assert(not (VARLEN and WARP_SPECIALIZE), "packed sequences take the forward without warp specialization")
     pid_m = tl.program_id(0)
-    if HEAVY_FIRST:
-        # the band closes on the right (causal), so later query blocks see more keys: start them first
-        # (programs are dispatched in launch order, query blocks of a head next to each other, which keeps its
-        # K and V in L2), so the short ones fill the last wave
+    if HAS_RIGHT:
+        # the band closes on the right, so later query blocks see more keys: start them first (programs are
+        # dispatched in launch order, query blocks of a head next to each other, which keeps its K and V in
+        # L2), so the short ones fill the last wave
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b, h, hk = program_heads(pid_bh, nheads, group_size)

@@ -213,8 +213,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             (*_row_strides(q, 1), *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
              slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen,
-            HEAVY_FIRST=configs.heavy_query_blocks_first(p, block_d), **flags)
+            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen, **flags)
         return out, lse
     launch(
         attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, mask, cu_q, cu_k),
