@@ -23,13 +23,17 @@
 #   bash benchmarks/h200_runbook.sh hostkernel # host time against kernel time at the 1k cells (host_overhead.py),
 #                                             # then the causal forward's kernel time (causal_forward.py)
 #   bash benchmarks/h200_runbook.sh d64bwd    # d = 64 backward tiles that ptxas compiles without spills (64 x 64 /
-#                                             # 8 warps) beside the table's 32 x 128 / 4 warps, fwd+bwd
+#                                             # 8 warps) beside the table's 32 x 128 / 4 warps, fwd+bwd (run in the
+#                                             # ninth session: all slower, BENCHMARKS.md)
+#   bash benchmarks/h200_runbook.sh hostab    # host time per call, a previous tree (gpu-scratch/old/src, e.g.
+#                                             # `git archive <commit> src | tar -x -C gpu-scratch/old`) against
+#                                             # this one, interleaved (host_overhead.py --quick)
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd or wsstress}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd, hostab or wsstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -124,6 +128,13 @@ case $stage in
     timeout 240 python benchmarks/tune_triton.py --headdim 64 --modes fwd+bwd --peers flash \
       --bwd-configs 64x64w8s3t1,64x64w8s4t1,64x64w8s3t0,32x128w8s4t1,64x128w8s2t1 > "$out/bwd-tiles-d64.txt" 2>&1
     grep -h TFLOP "$out/bwd-tiles-d64.txt" | cut -c1-120 ;;
+  hostab)
+    for round in 1 2; do
+      PYTHONPATH=$PWD/gpu-scratch/old/src timeout 75 python benchmarks/host_overhead.py --quick old$round 2>&1 \
+        | grep "^old" >> "$out/host-ab.txt"
+      timeout 75 python benchmarks/host_overhead.py --quick new$round 2>&1 | grep "^new" >> "$out/host-ab.txt"
+    done
+    sort -k2 "$out/host-ab.txt" ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \

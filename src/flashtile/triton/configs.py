@@ -113,7 +113,9 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       except 16k causal, 0%); 32 x 128 lost 9-11%; the dK/dV
       and dQ program bodies as separate (noinline) functions lost 8-11% (ptxas serialises wgmma
       across a call). d = 64: the old 32 x 128 tile in one launch, +1% to +4% below 16k keys, -2% to
-      +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%.
+      +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%;
+      tiles that ptxas compiles without spills lost too (session 9, fwd+bwd: 64 x 64 and 128 x 64 with 8
+      warps about half the table's rate, 64 x 64 / 4 warps -1..-8%, 32 x 128 / 8 warps -16..-19%).
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """

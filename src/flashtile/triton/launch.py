@@ -248,7 +248,8 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     rows, batch = out.shape[1], out.shape[0]
     launch(
         attention_bwd_preprocess_kernel, (_cdiv(rows, 64), batch * p.nheads), (out, grad_out, grad_lse, delta),
-        (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows), HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
+        (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows),
+        HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
     inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
               *_row_strides(grad_out, batch_q))
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
