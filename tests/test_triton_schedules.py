@@ -376,3 +376,20 @@ def test_backward_schedule_is_validated_and_reported():
     with flashtile.use_backend("triton"):
         text = str(flashtile.explain(q, q, q))
     assert "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel" in text, text
+
+
+def test_checked_descriptors_equal_triton_descriptors_field_for_field():
+    """_heads_view skips TensorDescriptor's checks (already made by _tma_ready); the descriptor it builds must
+    still carry every field Triton's own constructor sets (padding and any field a Triton version adds)."""
+    import dataclasses
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.randn(2, 37, 3, 24, device=DEVICE).transpose(1, 2).contiguous().transpose(1, 2)  # head-major rows
+    assert launch._tma_ready([t], None)
+    checked = launch._heads_view(t, 16, 32)
+    plain = TensorDescriptor(t, [2, 3, 37, 24], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, 16, 32])
+    for field in dataclasses.fields(TensorDescriptor):
+        if field.name != "base":
+            assert getattr(checked, field.name) == getattr(plain, field.name), field.name
+    assert checked.base is t
