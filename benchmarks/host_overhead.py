@@ -20,10 +20,10 @@ PYTHONPATH=old/src python benchmarks/host_overhead.py --quick old1).
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
-import sys
 import time
 
 import torch
@@ -55,16 +55,15 @@ def host_ms(fn, calls: int = 50) -> float:
     return seconds / calls * 1e3
 
 
-QUICK = "--quick" in sys.argv
-
-
-def report(name: str, fn) -> None:
+def report(name: str, fn, quick_label: str | None = None) -> None:
+    """One call's do_bench median, host and kernel time, then a cProfile; with quick_label (A/B runs), the
+    host time as the lowest and median of 9 rounds and no cProfile, the line tagged with the label."""
     fn()
     torch.cuda.synchronize()
     median = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    if QUICK:  # the host's noise is large between runs: the lowest and the median of 9 rounds of 40 calls
+    if quick_label is not None:  # the host's noise is large between runs: lowest and median of 9 x 40 calls
         rounds = sorted(host_ms(fn, calls=40) for _ in range(9))
-        print(f"{LABEL}{name}: median {median:.3f} ms, host min {rounds[0] * 1e3:.1f} / median "
+        print(f"{quick_label}{name}: median {median:.3f} ms, host min {rounds[0] * 1e3:.1f} / median "
               f"{rounds[4] * 1e3:.1f} us/call, kernels {kernel_ms(fn):.3f} ms/call", flush=True)
         return
     print(f"{name}: median {median:.3f} ms, host {host_ms(fn):.3f} ms/call, kernels {kernel_ms(fn):.3f} ms/call",
@@ -88,9 +87,6 @@ def _empty_kernel_40_args(X, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a
                           a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33, a34,
                           B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
     pass
-
-
-LABEL = sys.argv[-1] + " " if QUICK and sys.argv[-1] != "--quick" else ""
 
 
 def launch_floors(device: torch.device) -> None:
@@ -118,9 +114,18 @@ def launch_floors(device: torch.device) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", metavar="LABEL", nargs="?", const="", default=None,
+                        help="the table's calls only, no cProfile, lines tagged with LABEL")
+    quick = parser.parse_args().quick
+    label = None if quick is None else (quick + " " if quick else "")
+
+    def timed(name, fn):
+        report(name, fn, label)
+
     device, dtype = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
-    if not QUICK:
+    if quick is None:
         launch_floors(device)
     with flashtile.use_backend("triton"):
         for d, h in ((128, 16), (64, 32)):
@@ -130,21 +135,21 @@ def main() -> None:
             def step():
                 return torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), grad)
 
-            report(f"d {d}, {h} heads, 1k causal fwd+bwd", step)
-            for schedule, launches in (() if QUICK else ((0, "two-launch"), (1, "one-launch"))):
+            timed(f"d {d}, {h} heads, 1k causal fwd+bwd", step)
+            for schedule, launches in (((0, "two-launch"), (1, "one-launch")) if quick is None else ()):
                 with flashtile.use_backend("triton", backward_schedule=schedule):
-                    report(f"d {d}, {h} heads, 1k causal fwd+bwd, {launches} backward", step)
+                    timed(f"d {d}, {h} heads, 1k causal fwd+bwd, {launches} backward", step)
             # the forward alone, both ways: the grid's 1k causal forward cells are the ones whose kernels take
             # about as long as the call's host time (BENCHMARKS.md, session 8)
             for causal in (True, False):
                 with torch.no_grad():
-                    report(f"d {d}, {h} heads, 1k {'causal' if causal else 'non-causal'} forward alone",
-                           lambda: flashtile.flash_attn_func(q, k, v, causal=causal))
+                    timed(f"d {d}, {h} heads, 1k {'causal' if causal else 'non-causal'} forward alone",
+                          lambda: flashtile.flash_attn_func(q, k, v, causal=causal))
         q = torch.randn(1, 1, 32, 128, device=device, dtype=dtype)
         k_cache, v_cache = (torch.randn(1, 4096, 8, 128, device=device, dtype=dtype) for _ in range(2))
         lengths = torch.full((1,), 4096, dtype=torch.int32, device=device)
-        report("decode, batch 1, 4k cache", lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
-                                                                                       cache_seqlens=lengths))
+        timed("decode, batch 1, 4k cache",
+              lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths))
 
 
 if __name__ == "__main__":

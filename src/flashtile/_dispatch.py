@@ -15,7 +15,7 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -62,7 +62,7 @@ class TorchBackend:
     def tiles_to_list(self, tiles: torch_impl.TorchTiles) -> list[int]:
         return [tiles.block_q, tiles.block_k]
 
-    def tiles_from_list(self, values: list[int]) -> torch_impl.TorchTiles:
+    def tiles_from_list(self, values: Sequence[int]) -> torch_impl.TorchTiles:
         return torch_impl.TorchTiles(*values)
 
     def describe_tiles(self, problem: AttentionProblem, tiles: torch_impl.TorchTiles) -> str:
@@ -141,7 +141,7 @@ class TritonBackend:
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:
         return list(dataclasses.astuple(tiles))
 
-    def tiles_from_list(self, values: list[int]) -> triton_configs.TritonTiles:
+    def tiles_from_list(self, values: Sequence[int]) -> triton_configs.TritonTiles:
         return _triton_tiles(tuple(values))
 
     def describe_tiles(self, problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:

@@ -164,9 +164,9 @@ def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple
         out, lse = attention_forward(*tensors, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left,
                                      p.window_right, p.diagonal_offset, p.softcap, p.alignment, backend, list(tiles))
     elif torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad):
-        out, lse = _EagerAttention.apply(*tensors, p, backend, BACKENDS[backend].tiles_from_list(list(tiles)))
+        out, lse = _EagerAttention.apply(*tensors, p, backend, BACKENDS[backend].tiles_from_list(tiles))
     else:
         # nothing to differentiate: the backend directly (the autograd.Function's own cost, ~15 us of host time
         # per call on the CI machine, is felt by short GPU calls, whose issue can take as long as their kernels)
-        out, lse = _run_forward(*tensors, p, backend, BACKENDS[backend].tiles_from_list(list(tiles)))
+        out, lse = _run_forward(*tensors, p, backend, BACKENDS[backend].tiles_from_list(tiles))
     return out, lse.float()

@@ -132,7 +132,8 @@ def _tma_scratch(size: int, alignment: int, stream):
 class _CheckedDescriptor(TensorDescriptor):
     """A host-side TMA descriptor whose rules (16-byte aligned base and strides, unit last stride, positive
     dims, power-of-two box) _tma_ready and the tile table have already checked: TensorDescriptor's own
-    checks cost ~2.5 us of host time per descriptor (CI machine), three or four descriptors a call."""
+    checks cost ~1.6 us of host time per descriptor (CI machine: 2.19 us to build one, 0.63 without them),
+    three or four descriptors a call."""
 
     def __post_init__(self):
         pass
