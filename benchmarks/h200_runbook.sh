@@ -28,12 +28,15 @@
 #   bash benchmarks/h200_runbook.sh hostab    # host time per call, a previous tree (gpu-scratch/old/src, e.g.
 #                                             # `git archive <commit> src | tar -x -C gpu-scratch/old`) against
 #                                             # this one, interleaved (host_overhead.py --quick)
+#   bash benchmarks/h200_runbook.sh decodehost # a decode step's host time, a previous tree (gpu-scratch/old/src) against
+#                                             # this one, interleaved (host_overhead.py --quick --decode), then the
+#                                             # decode grid (bench --mode decode, flashtile[triton] and SDPA)
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd, hostab or wsstress}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd, hostab, decodehost or wsstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -135,6 +138,17 @@ case $stage in
       timeout 75 python benchmarks/host_overhead.py --quick new$round 2>&1 | grep "^new" >> "$out/host-ab.txt"
     done
     sort -k2 "$out/host-ab.txt" ;;
+  decodehost)
+    for round in 1 2; do
+      PYTHONPATH=$PWD/gpu-scratch/old/src timeout 60 python benchmarks/host_overhead.py --quick old$round --decode \
+        2>&1 | grep "^old" >> "$out/decode-host-ab.txt"
+      timeout 60 python benchmarks/host_overhead.py --quick new$round --decode 2>&1 | grep "^new" \
+        >> "$out/decode-host-ab.txt"
+    done
+    sort -k2 "$out/decode-host-ab.txt"
+    timeout 170 python -m flashtile bench --mode decode --device cuda --providers "flashtile[triton],sdpa" \
+      --json "$out/$date-h200-decode.json" > "$out/decode.txt" 2> "$out/decode.progress"
+    tail -30 "$out/decode.txt" ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \

@@ -15,7 +15,9 @@ With --quick: only the table's calls, no cProfile, the host time as the lowest a
 40 calls, each line tagged with the label after --quick (for A/B runs of two source trees, interleaved:
 PYTHONPATH=old/src python benchmarks/host_overhead.py --quick old1).
 
-    python benchmarks/host_overhead.py [--quick LABEL]
+With --decode: only decode steps (batch 1 with a contiguous cache, pages of 16 and of 256 keys; batch 8).
+
+    python benchmarks/host_overhead.py [--quick LABEL] [--decode]
 """
 
 from __future__ import annotations
@@ -117,7 +119,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", metavar="LABEL", nargs="?", const="", default=None,
                         help="the table's calls only, no cProfile, lines tagged with LABEL")
-    quick = parser.parse_args().quick
+    parser.add_argument("--decode", action="store_true",
+                        help="only decode steps (4k caches: batch 1 contiguous, page 16 and page 256; batch 8)")
+    arguments = parser.parse_args()
+    quick = arguments.quick
     label = None if quick is None else (quick + " " if quick else "")
 
     def timed(name, fn):
@@ -125,10 +130,10 @@ def main() -> None:
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
-    if quick is None:
+    if quick is None and not arguments.decode:
         launch_floors(device)
     with flashtile.use_backend("triton"):
-        for d, h in ((128, 16), (64, 32)):
+        for d, h in ((128, 16), (64, 32)) if not arguments.decode else ():
             q, k, v = (torch.randn(16, 1024, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
             grad = torch.randn(16, 1024, h, d, device=device, dtype=dtype)
 
@@ -145,11 +150,22 @@ def main() -> None:
                 with torch.no_grad():
                     timed(f"d {d}, {h} heads, 1k {'causal' if causal else 'non-causal'} forward alone",
                           lambda: flashtile.flash_attn_func(q, k, v, causal=causal))
-        q = torch.randn(1, 1, 32, 128, device=device, dtype=dtype)
-        k_cache, v_cache = (torch.randn(1, 4096, 8, 128, device=device, dtype=dtype) for _ in range(2))
-        lengths = torch.full((1,), 4096, dtype=torch.int32, device=device)
-        timed("decode, batch 1, 4k cache",
-              lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths))
+        for batch, page in ((1, None), (1, 16), (1, 256), (8, None)) if arguments.decode else ((1, None),):
+            timed(f"decode, batch {batch}, 4k cache{f', page {page}' if page else ''}", decode_step(batch, page))
+
+
+def decode_step(batch: int, page: int | None):
+    """One decode step against full 4k caches (32 query heads on 8 K/V heads, d 128, bf16): contiguous, or
+    paged with the pages in order (the host's work does not depend on their order)."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    q = torch.randn(batch, 1, 32, 128, device=device, dtype=dtype)
+    k_cache, v_cache = (torch.randn(batch, 4096, 8, 128, device=device, dtype=dtype) for _ in range(2))
+    lengths = torch.full((batch,), 4096, dtype=torch.int32, device=device)
+    table = None
+    if page:
+        k_cache, v_cache = (t.view(-1, page, 8, 128) for t in (k_cache, v_cache))
+        table = torch.arange(k_cache.shape[0], dtype=torch.int32, device=device).view(batch, -1)
+    return lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
 
 
 if __name__ == "__main__":

@@ -220,6 +220,41 @@ def test_bad_inputs_raise_and_leave_the_cache_unchanged(changes, error, message)
         assert torch.equal(args[key], value), f"{key} changed although the call raised"
 
 
+def test_validated_layouts_are_reused_and_every_rule_still_holds(monkeypatch):
+    """prepare_kvcache keeps what its shape, dtype and option rules concluded per signature: a repeated call
+    is not validated again, but each call's values are still checked, and an argument that differs only in
+    type (1 for True), in grad mode, or in strides is validated anew."""
+    from flashtile import _validate
+
+    layouts = []
+    original = _validate._kvcache_layout
+    monkeypatch.setattr(_validate, "_kvcache_layout", lambda *a, **kw: layouts.append(1) or original(*a, **kw))
+    monkeypatch.setattr(_validate, "_KVCACHE_LAYOUTS", {})
+    args = _call()
+    args.update(k=None, v=None)
+    first = flashtile.flash_attn_with_kvcache(**args, causal=True, check_values=True)
+    again = flashtile.flash_attn_with_kvcache(**args, causal=True, check_values=True)
+    assert len(layouts) == 1, "the second call with the same signature was validated again"
+    assert torch.equal(first, again)
+    too_long = torch.tensor([5, 0, 70], dtype=torch.int32, device=DEVICE)  # same signature, a value past capacity
+    with pytest.raises(ValueError, match=r"cache_seqlens\[2\] = 70 plus 0 new tokens exceeds"):
+        flashtile.flash_attn_with_kvcache(**dict(args, cache_seqlens=too_long), causal=True, check_values=True)
+    assert len(layouts) == 1
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flashtile.flash_attn_with_kvcache(**args, causal=1, check_values=True)
+    flashtile.flash_attn_with_kvcache(**dict(args, cache_seqlens=5))
+    with pytest.raises(ValueError, match="cache_seqlens is 70; with 0 new tokens"):  # an int length is in the key
+        flashtile.flash_attn_with_kvcache(**dict(args, cache_seqlens=70))
+    slopes = torch.rand(NHEADS, device=DEVICE, requires_grad=True)
+    with torch.no_grad():
+        flashtile.flash_attn_with_kvcache(**args, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="alibi_slopes requires grad"):
+        flashtile.flash_attn_with_kvcache(**args, alibi_slopes=slopes)
+    strided = torch.randn(BATCH, 1, NHEADS, 2 * HEADDIM, device=DEVICE)[..., ::2]  # q's shape, another layout
+    out = flashtile.flash_attn_with_kvcache(**dict(args, q=strided))
+    assert torch.equal(out, flashtile.flash_attn_with_kvcache(**dict(args, q=strided.contiguous())))
+
+
 def test_value_rules_run_by_default_only_where_they_are_free():
     args = _call(cache_seqlens=lambda a: torch.tensor([5, 0, 70], dtype=torch.int32, device=DEVICE))
     args.update(k=None, v=None)  # a read past capacity: unchecked, it must stay inside the cache

@@ -86,7 +86,8 @@ class TorchBackend:
     def decode(self, call, tiles, num_splits):
         from . import kvcache
 
-        return kvcache.attention_over_cache(call, tiles, max(1, num_splits))  # splitting adds no parallelism here
+        with torch.no_grad():  # the result carries no gradient (forward only)
+            return kvcache.attention_over_cache(call, tiles, max(1, num_splits))  # splitting adds no parallelism here
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
                  cu_seqlens_q=None, cu_seqlens_k=None):

@@ -494,6 +494,51 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+@dataclass(frozen=True)
+class _KVCacheLayout:
+    """What validating a `flash_attn_with_kvcache` call concluded from everything but tensor values."""
+
+    problem: AttentionProblem
+    capacity: int
+    num_blocks: int
+    page_size: int | None
+    seqlen_new: int
+    host_length: int | None  # every sequence's cached length, when cache_seqlens is an int or None
+    check_values: bool  # run the rules that read cache_seqlens / block_table (unless capturing)
+    q_copy: bool  # q's last dimension is not unit-stride: the kernels get a contiguous copy
+    slopes_row: bool  # alibi_slopes came as (nheads,): used as (1, nheads)
+
+
+# Validated layouts by signature (see _kvcache_signature): a decode loop repeats one layout at every step,
+# and on the H200's host its validation was a large part of a short call's ~100 us (BENCHMARKS.md).
+_KVCACHE_LAYOUTS: dict = {}
+MAX_KVCACHE_LAYOUTS = 1024
+_PLAIN_VALUES = (type(None), bool, int, float)
+
+
+def _kvcache_signature(tensors: tuple, values: tuple) -> tuple | None:
+    """Everything the layout checks read: per tensor argument (None or a plain torch.Tensor) its dtype,
+    device, shape, strides and requires_grad; per other argument its type and value (None, bool, int or
+    float, so that True and 1 differ); and whether grad mode is on (the ALiBi rule reads it). None when an
+    argument is anything else (a list, a tensor subclass, a numpy int) or torch.compile is tracing: those
+    calls are validated in full every time."""
+    key = [torch.is_grad_enabled()]
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is torch.Tensor:
+            key.append((t.dtype, t.device, t.shape, t.stride(), t.requires_grad))
+        else:
+            return None
+    for value in values:
+        if type(value) not in _PLAIN_VALUES:
+            return None
+        key.append((type(value), value))
+    if torch.compiler.is_compiling():
+        return None
+    return tuple(key)
+
+
 def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
                     softcap, alibi_slopes, num_splits, return_softmax_lse, check_values=None) -> KVCacheCall:
     """Validate `flash_attn_with_kvcache` arguments before anything is written.
@@ -502,7 +547,40 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     checked when that is free (an int cache_seqlens; tensors on the CPU) or when check_values is True
     (tensors on a GPU: a few device ops and one synchronisation). check_values=False skips them for
     tensors; an int cache_seqlens is always checked. None of them run while a CUDA graph is captured
-    or torch.compile traces."""
+    or torch.compile traces.
+
+    The other rules read only dtypes, devices, shapes, strides and plain values; their conclusion is
+    kept per signature of those (_kvcache_signature), so a repeated layout is not checked again."""
+    window = window_size if type(window_size) is tuple and len(window_size) == 2 else (window_size, None)
+    tensor_seqlens = type(cache_seqlens) is torch.Tensor
+    signature = _kvcache_signature(
+        (q, k_cache, v_cache, k, v, block_table, alibi_slopes, cache_seqlens if tensor_seqlens else None),
+        (None if tensor_seqlens else cache_seqlens, softmax_scale, causal, *window, softcap, num_splits,
+         return_softmax_lse, check_values))
+    layout = _KVCACHE_LAYOUTS.get(signature) if signature is not None else None
+    if layout is None:
+        layout = _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
+                                 causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                 num_splits=num_splits, return_softmax_lse=return_softmax_lse,
+                                 check_values=check_values)
+        if signature is not None:
+            if len(_KVCACHE_LAYOUTS) >= MAX_KVCACHE_LAYOUTS:
+                _KVCACHE_LAYOUTS.clear()
+            _KVCACHE_LAYOUTS[signature] = layout
+    if layout.host_length is not None:
+        cache_seqlens = torch.full((layout.problem.batch,), layout.host_length, dtype=torch.int32, device=q.device)
+    if layout.check_values and not _capturing(q.device):
+        _check_cache_values(cache_seqlens, block_table, layout.seqlen_new, layout.capacity, layout.num_blocks,
+                            layout.page_size, lengths_checked=layout.host_length is not None)
+    return KVCacheCall(q=q.contiguous() if layout.q_copy else q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
+                       cache_seqlens=cache_seqlens, block_table=block_table,
+                       alibi_slopes=alibi_slopes.unsqueeze(0) if layout.slopes_row else alibi_slopes,
+                       num_splits=int(num_splits), problem=layout.problem)
+
+
+def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
+                    softcap, alibi_slopes, num_splits, return_softmax_lse, check_values) -> _KVCacheLayout:
+    """prepare_kvcache's rules that need no tensor values (raising TypeError / ValueError)."""
     _require_tensor("q", q)
     if q.dim() != 4:
         raise ValueError(f"q must have rank 4 (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
@@ -582,14 +660,10 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
         if host_length < 0 or host_length + seqlen_new > capacity:
             raise ValueError(f"cache_seqlens is {host_length}; with {seqlen_new} new tokens it must stay within "
                              f"0 .. {capacity} (the cache capacity); nothing was written")
-        cache_seqlens = torch.full((batch,), host_length, dtype=torch.int32, device=q.device)
     if check_values is not None and not isinstance(check_values, bool):
         raise TypeError(f"check_values must be None, True or False, got {check_values!r}")
     on_host = q.device.type == "cpu"  # reading the values costs no synchronisation
     wanted = check_values if check_values is not None else on_host
-    if wanted and not _capturing(q.device) and (host_length is None or block_table is not None):
-        _check_cache_values(cache_seqlens, block_table, seqlen_new, capacity, num_blocks, page_size,
-                            lengths_checked=host_length is not None)
 
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
@@ -604,6 +678,8 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
         headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
         window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap, has_alibi=slopes is not None,
         mask_kind=None, kvcache=True)
-    return KVCacheCall(q=unit_last_stride(q), k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
-                       cache_seqlens=cache_seqlens, block_table=block_table, alibi_slopes=slopes,
-                       num_splits=int(num_splits), problem=problem)
+    return _KVCacheLayout(problem=problem, capacity=capacity, num_blocks=num_blocks, page_size=page_size,
+                          seqlen_new=seqlen_new, host_length=host_length,
+                          check_values=wanted and (host_length is None or block_table is not None),
+                          q_copy=q.shape[-1] > 1 and q.stride(-1) != 1,
+                          slopes_row=slopes is not None and slopes is not alibi_slopes)

@@ -165,8 +165,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     name, tiles = _dispatch.resolve(call.problem)  # raises before the cache is touched; cached per problem
     backend = _dispatch.BACKENDS[name]
     kvcache.append_to_cache(call)
-    with torch.no_grad():
-        out, lse = backend.decode(call, backend.tiles_from_list(tiles), call.num_splits)
+    out, lse = backend.decode(call, backend.tiles_from_list(tiles), call.num_splits)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -65,19 +65,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProblem):
-    """The kernel arguments that describe scores: slopes, mask, their strides, the flags."""
-    if alibi_slopes is not None:
+def _slopes_arg(q: torch.Tensor, alibi_slopes) -> tuple[torch.Tensor, int]:
+    """The ALiBi slopes as the kernels read them (float32, base 2) and their batch stride; q when there are none."""
+    if alibi_slopes is None:
+        return q, 0  # never read
+    with torch.no_grad():
         slopes = (alibi_slopes.float() * LOG2E).contiguous()  # the kernels work in base 2
-        slopes_stride = 0 if slopes.shape[0] == 1 else slopes.stride(0)
-    else:
-        slopes, slopes_stride = q, 0  # never read
-    if attn_mask is not None:
-        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-        mask_strides = mask.stride()
-        mask_kind = 1 if attn_mask.dtype == torch.bool else 2
-    else:
-        mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0  # never read
+    return slopes, 0 if slopes.shape[0] == 1 else slopes.stride(0)
+
+
+def _score_constants(problem: AttentionProblem, mask_kind: int, precision: str) -> tuple[tuple, dict]:
+    """The scalars and constexpr flags that describe scores (mask_kind 0 none, 1 bool, 2 additive; precision
+    from _dot_precision, which reads a torch setting that may change between calls)."""
     softcap = problem.softcap if problem.softcap > 0 else 1.0
     # scale of the final scores in base 2; with softcap, tanh(q.k * softcap_scale) * softcap_out
     scalars = (problem.softmax_scale, problem.softmax_scale * LOG2E, problem.softmax_scale / softcap,
@@ -85,7 +84,20 @@ def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProb
     flags = dict(HEADDIM=problem.headdim, HEADDIM_V=problem.headdim_v, BLOCK_D=_block_width(problem.headdim),
                  BLOCK_DV=_block_width(problem.headdim_v), HAS_LEFT=problem.window_left >= 0,
                  HAS_RIGHT=problem.window_right >= 0, HAS_SOFTCAP=problem.softcap > 0,
-                 HAS_ALIBI=alibi_slopes is not None, MASK_KIND=mask_kind, DOT_PRECISION=_dot_precision(problem.dtype))
+                 HAS_ALIBI=problem.has_alibi, MASK_KIND=mask_kind, DOT_PRECISION=precision)
+    return scalars, flags
+
+
+def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProblem):
+    """The kernel arguments that describe scores: slopes, mask, their strides, the flags."""
+    slopes, slopes_stride = _slopes_arg(q, alibi_slopes)
+    if attn_mask is not None:
+        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+        mask_strides = mask.stride()
+        mask_kind = 1 if attn_mask.dtype == torch.bool else 2
+    else:
+        mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0  # never read
+    scalars, flags = _score_constants(problem, mask_kind, _dot_precision(problem.dtype))
     return slopes, slopes_stride, mask, mask_strides, scalars, flags
 
 
@@ -390,6 +402,35 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
                           blocks_per_split, tile.num_warps, tile.num_stages, page_per_block)
 
 
+@dataclass(frozen=True)
+class _DecodeLaunch:
+    """What a KV-cache problem's launches take that depends on neither tensors nor strides (cached per problem)."""
+
+    shape: DecodeGeometry
+    scalars: tuple  # the score scalars the decode kernel takes (scale, softcap, window)
+    options: dict  # the decode kernel's constexprs and launch options
+    combine_options: dict
+    part_rows: int  # floats of part_out then part_lse per (batch * K/V head, split) row block (when split)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_launch(problem: AttentionProblem, page_size: int | None, num_splits: int,
+                   geometry: DecodeGeometry | None, precision: str) -> _DecodeLaunch:
+    shape = geometry or decode_geometry(problem, page_size, num_splits)
+    scalars, flags = _score_constants(problem, 0, precision)
+    flags = _forward_widths(flags)
+    del flags["MASK_KIND"]  # a KV cache takes no attn_mask
+    _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
+    options = dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=page_size is not None,
+                   PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, num_warps=shape.num_warps,
+                   num_stages=shape.num_stages, **flags)
+    combine_options = dict(HEADDIM_V=problem.headdim_v, BLOCK_DV=flags["BLOCK_DV"],
+                           BLOCK_S=_next_power_of_2(shape.splits))
+    rows_padded = shape.row_blocks * shape.block_m
+    return _DecodeLaunch(shape, (score_scale, softcap_scale, softcap_out, window_left, window_right), options,
+                         combine_options, shape.splits * rows_padded * (flags["BLOCK_DV"] + 1))
+
+
 def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     """Attention over a KV cache (kvcache.KVCacheCall, new tokens already appended): returns out
     (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32.
@@ -404,37 +445,31 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     lse = torch.empty(batch, p.nheads, seqlen_q, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out, lse
-    slopes, slopes_stride, _, _, scalars, flags = _score_args(q, call.alibi_slopes, None, p)
-    flags = _forward_widths(flags)
-    del flags["MASK_KIND"]  # a KV cache takes no attn_mask
-    shape = geometry or decode_geometry(p, call.page_size, num_splits)
-    block_m, row_blocks, block_n, splits = shape.block_m, shape.row_blocks, shape.block_n, shape.splits
-    blocks_per_split, rows = shape.blocks_per_split, p.group_size * seqlen_q
-    rows_padded = row_blocks * block_m
+    plan = _decode_launch(p, call.page_size, num_splits, geometry, _dot_precision(p.dtype))
+    shape = plan.shape
+    splits, rows_padded = shape.splits, shape.row_blocks * shape.block_m
     if splits > 1:
-        part_out = torch.empty(batch * p.nheads_k, splits, rows_padded, flags["BLOCK_DV"], dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty(batch * p.nheads_k, splits, rows_padded, dtype=torch.float32, device=q.device)
+        # one allocation for both partial results (a host-bound decode step feels each torch.empty)
+        part_out = torch.empty(batch * p.nheads_k * plan.part_rows, dtype=torch.float32, device=q.device)
+        part_lse = part_out[batch * p.nheads_k * splits * rows_padded * plan.options["BLOCK_DV"]:]
     else:
         part_out = part_lse = lse  # never read or written
+    slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
     paged = call.block_table is not None
     table = call.block_table if paged else call.cache_seqlens  # never read when contiguous
     k_cache, v_cache = call.k_cache, call.v_cache
     seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
-    _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
     launch(
-        attention_decode_kernel, (splits, batch * p.nheads_k, row_blocks),
+        attention_decode_kernel, (splits, batch * p.nheads_k, shape.row_blocks),
         (q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse),
         (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
          *_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
-         call.page_size or 1, k_cache.shape[0], blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out,
-         window_left, window_right),
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_PER_BLOCK=shape.page_per_block,
-        SPLIT=splits > 1, num_warps=shape.num_warps,
-        num_stages=shape.num_stages, **flags)
+         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, *plan.scalars),
+        **plan.options)
     if splits > 1:
         launch(
-            attention_decode_combine_kernel, (batch * p.nheads_k, rows), (part_out, part_lse, out, lse),
+            attention_decode_combine_kernel, (batch * p.nheads_k, p.group_size * seqlen_q),
+            (part_out, part_lse, out, lse),
             (*_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded),
-            HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(splits))
+            **plan.combine_options)
     return out, lse
