@@ -423,6 +423,10 @@ def test_dq_tile_settings_are_validated_and_reported():
     with pytest.raises(ValueError, match=r"dq_block_m must be a power of two >= 16, got 24"):
         with flashtile.use_backend("triton", dq_block_m=24):
             pass
+    # 0 is each dQ setting's default (the dK/dV tile transposed): a full tile tuple with zeros there is valid
+    # (tune_triton passes every field; the first GPU run of this branch rejected the table's own tiles)
+    with flashtile.use_backend("triton", dq_block_m=0, dq_block_n=0, dq_num_warps=0):
+        pass
     q = torch.randn(1, 40, 2, 16, device=DEVICE, requires_grad=True)
     with flashtile.use_backend("triton", backward_schedule=1, dq_block_m=64):
         with pytest.raises(ValueError, match=r"dq_block_m set the dQ kernel's tile, which only the two-launch"):

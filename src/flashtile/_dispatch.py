@@ -124,6 +124,8 @@ class TritonBackend:
         return f"tensors on {problem.device.type} are not supported"
 
     def check_tile_setting(self, key: str, value: int) -> None:
+        if key.startswith("dq_") and value == 0:
+            return  # 0: the dQ kernel takes the dK/dV tile transposed (TritonTiles.dq_tile)
         if key.startswith(("block", "bwd_block", "dq_block")) and (value < 16 or value & (value - 1)):
             raise ValueError(f"tile setting {key} must be a power of two >= 16, got {value}")
         schedules = {"forward_schedule": triton_configs.FORWARD_SCHEDULES,
