@@ -25,6 +25,9 @@
 #   bash benchmarks/h200_runbook.sh d64bwd    # d = 64 backward tiles that ptxas compiles without spills (64 x 64 /
 #                                             # 8 warps) beside the table's 32 x 128 / 4 warps, fwd+bwd (run in the
 #                                             # ninth session: all slower, BENCHMARKS.md)
+#   bash benchmarks/h200_runbook.sh dqtile    # d = 64 backward with the dQ kernel's own tile (branch prepared/dq-tile):
+#                                             # its GPU tests, then two launches with dQ tiles 128 x 64 / 8 warps etc.
+#                                             # beside the table's one launch and FA2, fwd+bwd
 #   bash benchmarks/h200_runbook.sh hostab    # host time per call, a previous tree (gpu-scratch/old/src, e.g.
 #                                             # `git archive <commit> src | tar -x -C gpu-scratch/old`) against
 #                                             # this one, interleaved (host_overhead.py --quick)
@@ -36,7 +39,7 @@
 #                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd, hostab, decodehost or wsstress}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd, dqtile, hostab, decodehost or wsstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -131,6 +134,14 @@ case $stage in
     timeout 240 python benchmarks/tune_triton.py --headdim 64 --modes fwd+bwd --peers flash \
       --bwd-configs 64x64w8s3t1,64x64w8s4t1,64x64w8s3t0,32x128w8s4t1,64x128w8s2t1 > "$out/bwd-tiles-d64.txt" 2>&1
     grep -h TFLOP "$out/bwd-tiles-d64.txt" | cut -c1-120 ;;
+  dqtile)
+    FLASHTILE_TEST_DEVICE=cuda timeout 100 python -m pytest -q -n 12 -p no:cacheprovider -rfE \
+      tests/test_triton_schedules.py -k "dq_" > "$out/dq-tests.txt" 2>&1
+    tail -2 "$out/dq-tests.txt"
+    timeout 330 python benchmarks/tune_triton.py --headdim 64 --modes fwd+bwd --peers flash \
+      --bwd-configs 32x128w4s3t1,32x128w4s3t0,32x128w4s3t0q128x64w8,32x128w4s3t0q128x128w8,32x128w4s3t0q128x32w8,32x128w4s3t0q64x64w4,32x128w4s3t2q128x64w8 \
+      > "$out/dq-tiles-d64.txt" 2>&1
+    grep -h TFLOP "$out/dq-tiles-d64.txt" | cut -c1-130 ;;
   hostab)
     for round in 1 2; do
       PYTHONPATH=$PWD/gpu-scratch/old/src timeout 75 python benchmarks/host_overhead.py --quick old$round 2>&1 \

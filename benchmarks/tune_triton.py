@@ -9,7 +9,8 @@ table in src/flashtile/triton/configs.py; the benchmark of record is `flashtile 
 Config syntax: {BLOCK_M}x{BLOCK_N}w{warps}s{stages}[t{schedule}] for the forward (schedule 0: pointer
 loads, 1: TMA descriptors, 2: TMA + warp specialization; default 0); the backward keeps its default
 unless --bwd-configs is given (same syntax; there t is the backward schedule: 0 two launches, 1 the
-dK/dV and dQ programs in one launch).
+dK/dV and dQ programs in one launch, 2 and 3 the same with TMA loads; a suffix q{M}x{N}w{warps} gives the dQ
+kernel of schedules 0 and 2 its own tile, e.g. 32x128w4s3t0q128x64w8).
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def parse_config(text: str) -> tuple[int, int, int, int, int]:
     return tuple(int(x or 0) for x in match.groups())
 
 
+def parse_bwd_config(text: str) -> tuple[int, ...]:
+    """A backward config, optionally with the dQ kernel's own tile: 32x128w4s3t0 or 32x128w4s3t0q128x64w8."""
+    tile, _, dq = text.partition("q")
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)", dq) if dq else None
+    if dq and not match:
+        raise ValueError(f"dQ tile {dq!r} (after 'q') is not of the form 128x64w8")
+    return parse_config(tile) + (tuple(int(x) for x in match.groups()) if match else (0, 0, 0))
+
+
 def tflops(ms: float, batch: int, heads: int, seqlen: int, headdim: int, causal: bool, mode: str) -> float:
     shape = AttentionShape(batch=batch, nheads=heads, seqlen_q=seqlen, seqlen_k=seqlen, headdim=headdim, causal=causal)
     return benchmark_flops(shape, mode) / ms / 1e9
@@ -62,7 +72,7 @@ def main() -> None:
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     modes = args.modes.split(",")
     fwd_configs = [parse_config(c) for c in args.configs.split(",") if c]
-    bwd_configs = [parse_config(c) for c in args.bwd_configs.split(",") if c]
+    bwd_configs = [parse_bwd_config(c) for c in args.bwd_configs.split(",") if c]
     peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     peers = {name: peers[name] for name in args.peers.split(",") if name}
 
@@ -85,9 +95,10 @@ def main() -> None:
             for bm, bn, w, s, schedule in fwd_configs:
                 candidates.append(dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
                                                       forward_schedule=schedule))
-            for bm, bn, w, s, schedule in bwd_configs:
+            for bm, bn, w, s, schedule, dq_m, dq_n, dq_w in bwd_configs:
                 candidates.append(dataclasses.replace(default, bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=w,
-                                                      bwd_num_stages=s, backward_schedule=schedule))
+                                                      bwd_num_stages=s, backward_schedule=schedule, dq_block_m=dq_m,
+                                                      dq_block_n=dq_n, dq_num_warps=dq_w))
             for causal in causals:
                 for mode in modes:
                     def step(fn):
@@ -120,10 +131,11 @@ def main() -> None:
                             print(f"  {tiles}: not run ({type(error).__name__}: {str(error).splitlines()[0][:100]})")
                             continue
                         ratios = " ".join(f"{rate / r:.2f}x {n}" for n, r in peer_rates.items())
+                        dq = f"q{tiles.dq_block_m}x{tiles.dq_block_n}w{tiles.dq_num_warps}" if tiles.dq_block_m else ""
                         print(f"d{headdim} N{seqlen} B{batch} H{heads} causal={int(causal)} {mode:7s} "
                               f"fwd {tiles.block_m}x{tiles.block_n}w{tiles.num_warps}s{tiles.num_stages}t{tiles.forward_schedule} "
                               f"bwd {tiles.bwd_block_m}x{tiles.bwd_block_n}w{tiles.bwd_num_warps}s{tiles.bwd_num_stages}"
-                              f"t{tiles.backward_schedule}: "
+                              f"t{tiles.backward_schedule}{dq}: "
                               f"{rate:6.1f} TFLOP/s | peers " + " ".join(f"{n} {r:.0f}" for n, r in peer_rates.items())
                               + f" | {ratios}", flush=True)
             names = executed_kernels(lambda: torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True),

@@ -125,7 +125,9 @@ class TritonBackend:
         return f"tensors on {problem.device.type} are not supported"
 
     def check_tile_setting(self, key: str, value: int) -> None:
-        if key.startswith(("block", "bwd_block")) and (value < 16 or value & (value - 1)):
+        if key.startswith("dq_") and value == 0:
+            return  # 0: the dQ kernel takes the dK/dV tile transposed (TritonTiles.dq_tile)
+        if key.startswith(("block", "bwd_block", "dq_block")) and (value < 16 or value & (value - 1)):
             raise ValueError(f"tile setting {key} must be a power of two >= 16, got {value}")
         schedules = {"forward_schedule": triton_configs.FORWARD_SCHEDULES,
                      "backward_schedule": triton_configs.BACKWARD_SCHEDULES}.get(key)
@@ -137,7 +139,13 @@ class TritonBackend:
 
     def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> triton_configs.TritonTiles:
         capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
-        return dataclasses.replace(triton_configs.default_tiles(problem, capability), **overrides)
+        tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), **overrides)
+        dq_settings = [key for key in ("dq_block_m", "dq_block_n", "dq_num_warps") if getattr(tiles, key)]
+        if dq_settings and tiles.backward_one_launch:
+            raise ValueError(f"tile settings {', '.join(dq_settings)} set the dQ kernel's tile, which only the "
+                             f"two-launch backward schedules (0, 2) have; backward_schedule is "
+                             f"{tiles.backward_schedule}")
+        return tiles
 
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:
         return list(dataclasses.astuple(tiles))

@@ -35,6 +35,17 @@ class TritonTiles:
     # backward: 0 the dK/dV then the dQ kernel; 1 both kinds of program in one launch; 2, 3 as 0, 1 with the
     # streamed Q/dO (dK/dV programs) and K/V (dQ programs) tiles loaded by TMA (bwd.py)
     backward_schedule: int = 0
+    # the dQ kernel's own tile in the two-launch schedules (0, 2): query rows, keys per step, warps; 0 = the
+    # dK/dV tile transposed (bwd_block_n query rows against bwd_block_m keys, bwd_num_warps)
+    dq_block_m: int = 0
+    dq_block_n: int = 0
+    dq_num_warps: int = 0
+
+    @property
+    def dq_tile(self) -> tuple[int, int, int]:
+        """(query rows, keys per step, warps) of the dQ programs."""
+        return (self.dq_block_m or self.bwd_block_n, self.dq_block_n or self.bwd_block_m,
+                self.dq_num_warps or self.bwd_num_warps)
 
     @property
     def backward_one_launch(self) -> bool:
@@ -47,10 +58,12 @@ class TritonTiles:
         return self.backward_schedule >= 2
 
     def describe(self, problem: AttentionProblem) -> str:
+        dq_rows, dq_keys, dq_warps = self.dq_tile
         return (f"forward ({FORWARD_SCHEDULES[self.forward_schedule]}) BLOCK_M {self.block_m} x BLOCK_N "
                 f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages; backward "
                 f"({BACKWARD_SCHEDULES[self.backward_schedule]}) BLOCK_M {self.bwd_block_m} x BLOCK_N "
-                f"{self.bwd_block_n}, {self.bwd_num_warps} warps, {self.bwd_num_stages} stages")
+                f"{self.bwd_block_n}, {self.bwd_num_warps} warps, {self.bwd_num_stages} stages; dQ programs "
+                f"{dq_rows} query rows x {dq_keys} keys, {dq_warps} warps")
 
 
 FORWARD_SCHEDULES = {

@@ -272,18 +272,18 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     # last tile would read its neighbour's rows where the copy engine should give zeros (zeroing them in the
     # kernel cost 4.5-11%, session 8)
     use_tma = tiles.backward_tma and not varlen and _tma_ready((q, k, v, grad_out), attn_mask)
+    dq_rows, dq_keys, dq_warps = tiles.dq_tile
     if use_tma:
-        # the streamed tiles have bwd_block_m rows on both sides (the dQ programs take the transposed tile)
+        # the dK/dV programs stream bwd_block_m query rows (q, dO), the dQ programs dq_keys keys (k, v)
         rows, block_d, block_dv = tiles.bwd_block_m, flags["BLOCK_D"], flags["BLOCK_DV"]
-        descriptors = (_heads_view(q, rows, block_d), _heads_view(k, rows, block_d), _heads_view(v, rows, block_dv),
-                       _heads_view(grad_out, rows, block_dv))
+        descriptors = (_heads_view(q, rows, block_d), _heads_view(k, dq_keys, block_d),
+                       _heads_view(v, dq_keys, block_dv), _heads_view(grad_out, rows, block_dv))
     else:
         descriptors = (q, k, v, grad_out)  # never read
     bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, USE_TMA=use_tma,
                **flags)
     key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
-    # the dQ programs' tile is transposed
-    query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.bwd_block_n))
+    query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), dq_rows))
     if tiles.backward_one_launch and k.shape[1] > 0:
         launch(
             attention_bwd_kernel, (key_programs * p.nheads_k + query_programs * p.nheads, p.batch),
@@ -299,12 +299,12 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
             (*inputs, *dk_strides, *dv_strides, *stats, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k,
              *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
-    # the dQ kernel uses the transposed tile: bwd_block_n query rows against bwd_block_m keys
+    # the dQ kernel's tile: by default the dK/dV tile transposed (bwd_block_n query rows against bwd_block_m keys)
     launch(
         attention_bwd_dq_kernel, (query_programs, p.batch * p.nheads),
         (q, k, v, grad_out, *descriptors, lse, delta, dq, slopes, mask, cu_q, cu_k),
         (*inputs, *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
-        BLOCK_M=tiles.bwd_block_n, BLOCK_N=tiles.bwd_block_m, **bwd)
+        BLOCK_M=dq_rows, BLOCK_N=dq_keys, **dict(bwd, num_warps=dq_warps))
     return dq, dk, dv
 
 
