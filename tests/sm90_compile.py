@@ -7,6 +7,7 @@ the installed triton (not the GPU machine's) catches code-generation errors the 
 """
 
 import json
+import re
 import sys
 
 import triton
@@ -15,7 +16,7 @@ from triton.compiler import ASTSource
 
 from flashtile.triton.bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
                                   attention_bwd_preprocess_kernel)
-from flashtile.triton.decode import attention_decode_combine_kernel, attention_decode_kernel
+from flashtile.triton.decode import attention_decode_kernel
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 from flashtile.triton.configs import default_tiles
@@ -38,7 +39,8 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
     return {"label": label, "wgmma": "wgmma" in ptx, "mma": "mma.sync" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
-            "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared}
+            "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared,
+            "acq_rel_atomic": re.search(r"atom\.[a-z.]*acq_rel[a-z.]*gpu|atom\.[a-z.]*gpu[a-z.]*acq_rel", ptx) is not None}
 
 
 def table_tiles(dtype: str, headdim: int, causal: bool = False):
@@ -94,7 +96,7 @@ def main():
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))
-        # the backward at the table's tiles for this dtype and head dim (the dQ kernel takes the transposed tile);
+        # the backward at the table's tiles for this dtype and head dim;
         # the two-launch kernels with pointer loads, the one-launch kernel with TMA loads where the batch is dense
         t = table_tiles(dtype, headdim)
         m, n, warps, stages = t.bwd_block_m, t.bwd_block_n, t.bwd_num_warps, t.bwd_num_stages
@@ -105,9 +107,17 @@ def main():
         results.append(compile_variant(f"bwd-dkdv {tag_varlen}", attention_bwd_dkdv_kernel,
                                        dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen, USE_TMA=False),
                                        bwd_ptrs, warps, stages))
-        results.append(compile_variant(f"bwd-dq {tag_varlen}", attention_bwd_dq_kernel,
-                                       dict(flags, BLOCK_M=n, BLOCK_N=m, MASK_KIND=0 if varlen else 2,
-                                            VARLEN=varlen, USE_TMA=False), bwd_ptrs, warps, stages))
+        # the dQ kernel at the table's dQ tile (its own where the table sets one, else the transposed tile),
+        # with TMA loads of its key / value tiles where the table's two-launch schedule uses them
+        dq_rows, dq_keys, dq_warps = t.dq_tile
+        dq_tma = t.backward_tma and not t.backward_one_launch and not varlen
+        dq_ptrs = dict(bwd_ptrs, **{name: f"tensordesc<{dtype}[1,1,{dq_keys},{width}]>" for name in ("k_desc", "v_desc")},
+                       **{name: f"tensordesc<{dtype}[1,1,{m},{width}]>" for name in ("q_desc", "do_desc")})
+        results.append(compile_variant(f"bwd-dq {dq_rows}x{dq_keys}w{dq_warps}{' tma' if dq_tma else ''} {tag_varlen}",
+                                       attention_bwd_dq_kernel,
+                                       dict(flags, BLOCK_M=dq_rows, BLOCK_N=dq_keys, MASK_KIND=0 if varlen or dq_tma else 2,
+                                            VARLEN=varlen, USE_TMA=dq_tma), dq_ptrs if dq_tma else bwd_ptrs, dq_warps,
+                                       stages))
         one_launch_tma = not varlen and dtype != "fp32"
         results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
                                        attention_bwd_kernel,
@@ -117,7 +127,8 @@ def main():
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
-                       "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
+                       "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32",
+                       "Tickets": "*i32"}
         # paged bf16 with both page lookups (per key for small pages, per block for pages a multiple of it)
         for per_block in (False, True) if paged and headdim == 128 else (False,):
             decode_tile = default_decode_tile((256 if per_block else 16) if paged else None)
@@ -125,11 +136,8 @@ def main():
                 f"decode{' paged' if paged else ''}{' per-block' if per_block else ''}{' split' if split else ''} {tag}",
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
-                     PAGE_PER_BLOCK=per_block, SPLIT=split),
+                     PAGE_PER_BLOCK=per_block, SPLIT=split, BLOCK_S=16 if split else 1),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
-    results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
-                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16),
-                                   {"PartOut": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))
     json.dump(results, sys.stdout)
 
 

@@ -40,9 +40,9 @@ def test_tma_schedules_use_bulk_tensor_copies_and_warp_specialization(compiled):
             assert row["tma"], f"{label}: no TMA bulk tensor copy in the PTX"
             expected = "schedule 2" in label and not _ieee_fp32(label)
             assert row["setmaxnreg"] == expected, f"{label}: warp specialization {row['setmaxnreg']}"
-        elif label.startswith("bwd-one-launch"):
+        elif label.startswith(("bwd-one-launch", "bwd-dq")):
             assert row["tma"] == (" tma " in label), f"{label}: TMA {row['tma']}"
-        elif label.startswith(("fwd ", "bwd-dkdv", "bwd-dq")):
+        elif label.startswith(("fwd ", "bwd-dkdv")):
             assert not row["tma"], f"{label}: the pointer-load kernel should not use TMA"
 
 
@@ -57,4 +57,12 @@ def test_decode_kernels_use_tensor_cores_on_small_tiles(compiled):
     assert len(decode) == 5
     for label in decode:
         assert compiled[label]["mma"] != _ieee_fp32(label), f"{label}: mma.sync {compiled[label]['mma']}"
-    assert "decode-combine bf16 d128" in compiled
+
+
+def test_split_decode_takes_its_merge_ticket_with_an_acq_rel_atomic(compiled):
+    """The last split of a tile merges the others' partials: only sound if the ticket is an acquire-release
+    atomic at GPU scope (the merging program must see every other program's stores)."""
+    decode = {label: row for label, row in compiled.items() if label.startswith("decode ")}
+    assert any(" split " in label for label in decode) and any(" split " not in label for label in decode)
+    for label, row in decode.items():
+        assert row["acq_rel_atomic"] == (" split " in label), f"{label}: acq_rel atomic {row['acq_rel_atomic']}"

@@ -128,7 +128,10 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       across a call). d = 64: the old 32 x 128 tile in one launch, +1% to +4% below 16k keys, -2% to
       +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%;
       tiles that ptxas compiles without spills lost too (session 9, fwd+bwd: 64 x 64 and 128 x 64 with 8
-      warps about half the table's rate, 64 x 64 / 4 warps -1..-8%, 32 x 128 / 8 warps -16..-19%).
+      warps about half the table's rate, 64 x 64 / 4 warps -1..-8%, 32 x 128 / 8 warps -16..-19%). What did
+      pay was the dQ kernel's own tile (session 10): its default, the 32 x 128 tile transposed (128 query
+      rows against 32 keys, 4 warps), spills; 128 x 64 with 8 warps does not, and with TMA loads in two
+      launches it took dense d = 64 problems +4% to +5% past the table except 1k causal (below).
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """
@@ -140,11 +143,18 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     hopper_forward = hopper_16bit
     forward_schedule = 1 if hopper_forward else 0
     if width <= 64:
-        one_launch = hopper_16bit and problem.seqlen_k < 16384
         # the TMA forward with 8 warps (session 7, 1k keys: 368 TFLOP/s against 355 with 4 warps, non-causal),
         # but 4 warps for banded problems below 4k keys (1k causal: 264-266 in three runs against 254 with 8)
         banded_short = problem.is_banded and problem.seqlen_k < 4096
         warps = 8 if hopper_forward and not banded_short else 4
+        if hopper_16bit and not problem.varlen and not banded_short:
+            # dense batches: two launches, TMA loads, the dQ kernel with its own 128 x 64 / 8-warp tile
+            # (session 10, fwd+bwd in one run against the previous table: +5..+7% / +5% / +5% at 1k / 4k / 16k
+            # non-causal, +5..+10% / +4% at 4k / 16k causal; at 1k causal the one launch stayed ahead, 239 / 225
+            # against 205)
+            return TritonTiles(128, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
+                               backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
+        one_launch = hopper_16bit and problem.seqlen_k < 16384
         return TritonTiles(128, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
                            backward_schedule=int(one_launch))
     if width <= 128:

@@ -22,7 +22,7 @@ from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_
                   attention_bwd_preprocess_kernel)
 from . import configs
 from .configs import TritonTiles, interpreting
-from .decode import attention_decode_combine_kernel, attention_decode_kernel
+from .decode import attention_decode_kernel
 from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
 from .relaunch import launch
@@ -377,7 +377,7 @@ class DecodeGeometry:
     page_per_block: bool  # a paged cache's page looked up once per key block (see DecodeTile)
 
     def describe(self) -> str:
-        merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
+        merge = " (the last split of each tile merges them)" if self.splits > 1 else ""
         lookup = "; one page lookup per key block" if self.page_per_block else ""
         return (f"attention_decode_kernel{merge}: {self.row_blocks} x {self.block_m} rows per (batch, K/V head) "
                 f"(query heads of a group x query tokens), {self.block_n}-key blocks, {self.splits} split(s) of "
@@ -409,7 +409,6 @@ class _DecodeLaunch:
     shape: DecodeGeometry
     scalars: tuple  # the score scalars the decode kernel takes (scale, softcap, window)
     options: dict  # the decode kernel's constexprs and launch options
-    combine_options: dict
     part_rows: int  # floats of part_out then part_lse per (batch * K/V head, split) row block (when split)
 
 
@@ -422,13 +421,11 @@ def _decode_launch(problem: AttentionProblem, page_size: int | None, num_splits:
     del flags["MASK_KIND"]  # a KV cache takes no attn_mask
     _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
     options = dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=page_size is not None,
-                   PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, num_warps=shape.num_warps,
-                   num_stages=shape.num_stages, **flags)
-    combine_options = dict(HEADDIM_V=problem.headdim_v, BLOCK_DV=flags["BLOCK_DV"],
-                           BLOCK_S=_next_power_of_2(shape.splits))
+                   PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, BLOCK_S=_next_power_of_2(shape.splits),
+                   num_warps=shape.num_warps, num_stages=shape.num_stages, **flags)
     rows_padded = shape.row_blocks * shape.block_m
     return _DecodeLaunch(shape, (score_scale, softcap_scale, softcap_out, window_left, window_right), options,
-                         combine_options, shape.splits * rows_padded * (flags["BLOCK_DV"] + 1))
+                         shape.splits * rows_padded * (flags["BLOCK_DV"] + 1))
 
 
 def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
@@ -452,8 +449,10 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
         # one allocation for both partial results (a host-bound decode step feels each torch.empty)
         part_out = torch.empty(batch * p.nheads_k * plan.part_rows, dtype=torch.float32, device=q.device)
         part_lse = part_out[batch * p.nheads_k * splits * rows_padded * plan.options["BLOCK_DV"]:]
+        # one ticket counter per tile (batch * K/V head, row block): the last split to arrive merges the tile
+        tickets = torch.zeros(batch * p.nheads_k * shape.row_blocks, dtype=torch.int32, device=q.device)
     else:
-        part_out = part_lse = lse  # never read or written
+        part_out = part_lse = tickets = lse  # never read or written
     slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
     paged = call.block_table is not None
     table = call.block_table if paged else call.cache_seqlens  # never read when contiguous
@@ -461,15 +460,9 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
     launch(
         attention_decode_kernel, (splits, batch * p.nheads_k, shape.row_blocks),
-        (q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse),
+        (q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse, tickets),
         (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
          *_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
          call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, *plan.scalars),
         **plan.options)
-    if splits > 1:
-        launch(
-            attention_decode_combine_kernel, (batch * p.nheads_k, p.group_size * seqlen_q),
-            (part_out, part_lse, out, lse),
-            (*_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded),
-            **plan.combine_options)
     return out, lse
