@@ -197,9 +197,11 @@ def test_warp_specialized_128_row_tiles_use_the_right_query_positions(case, seed
 
 
 def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_pay():
-    """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128, one launch below 16k keys at d = 64;
-    other GPUs and fp32 keep the two launches and their tiles; packed batches at d = 128 take two launches
-    with pointer loads; dense ones at d = 128 load the streamed tiles by TMA at every length."""
+    """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128; at d = 64 dense batches take two launches with
+    TMA loads and the dQ kernel's own 128 x 64 / 8-warp tile, except banded problems below 4k keys and packed
+    batches (one launch below 16k keys); other GPUs and fp32 keep the two launches and their tiles; packed
+    batches at d = 128 take two launches with pointer loads; dense ones at d = 128 load the streamed tiles by
+    TMA at every length."""
     import dataclasses
 
     from flashtile.triton.configs import default_tiles
@@ -208,8 +210,13 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
     tiles = default_tiles(d128, (9, 0))
     assert (tiles.backward_schedule, tiles.bwd_block_m, tiles.bwd_block_n, tiles.bwd_num_warps) == (3, 64, 128, 8)
     assert default_tiles(_table_problem(1024, 128), (9, 0)).backward_schedule == 3
-    assert default_tiles(d64, (9, 0)).backward_schedule == 1
-    assert default_tiles(_table_problem(16384, 64), (9, 0)).backward_schedule == 0
+    for seqlen in (1024, 4096, 16384):
+        tiles = default_tiles(_table_problem(seqlen, 64), (9, 0))
+        assert (tiles.backward_schedule, tiles.dq_tile) == (2, (128, 64, 8)), seqlen
+    banded_short = dataclasses.replace(_table_problem(1024, 64), window_right=0)
+    assert (default_tiles(banded_short, (9, 0)).backward_schedule, default_tiles(banded_short, (9, 0)).dq_block_m) == (1, 0)
+    assert default_tiles(dataclasses.replace(d64, varlen=True), (9, 0)).backward_schedule == 1
+    assert default_tiles(dataclasses.replace(_table_problem(16384, 64), varlen=True), (9, 0)).backward_schedule == 0
     packed = default_tiles(dataclasses.replace(d128, varlen=True), (9, 0))  # packed batches: two launches
     assert (packed.backward_schedule, packed.bwd_block_m, packed.bwd_block_n) == (0, 64, 128)
     for other, capability in ((d128, (8, 0)), (_table_problem(4096, 128, torch.float32), (9, 0)), (d64, (8, 6))):
@@ -435,3 +442,20 @@ def test_dq_tile_settings_are_validated_and_reported():
                                 dq_num_warps=2):
         text = str(flashtile.explain(q, q, q))
     assert "dQ programs 32 query rows x 64 keys, 2 warps" in text, text
+
+
+def test_a_forced_one_launch_schedule_drops_the_tables_dq_tile(monkeypatch):
+    """The table's dQ tile belongs to its two-launch schedule: forcing a one-launch schedule over it runs the
+    one-launch kernel (the GPU suite's first run with the d = 64 table raised ValueError there instead)."""
+    from flashtile.triton import configs
+
+    table = configs.TritonTiles(16, 16, 1, 1, 16, 16, 1, 1, backward_schedule=2, dq_block_m=32, dq_block_n=16,
+                                dq_num_warps=2)
+    monkeypatch.setattr(configs, "default_tiles", lambda problem, capability: table)
+    q = torch.randn(1, 40, 2, 16, device=DEVICE)
+    with flashtile.use_backend("triton"):
+        text = str(flashtile.explain(q, q, q))
+    assert "dQ programs 32 query rows x 16 keys, 2 warps" in text, text
+    with flashtile.use_backend("triton", backward_schedule=1):
+        text = str(flashtile.explain(q, q, q))
+    assert "in one launch" in text and "dQ programs 16 query rows x 16 keys, 1 warps" in text, text

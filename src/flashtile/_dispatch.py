@@ -98,6 +98,9 @@ class TorchBackend:
                                              attn_mask, problem, tiles)
 
 
+DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")
+
+
 class TritonBackend:
     """Fused Triton kernels: CUDA GPUs of compute capability 8.0 or newer; CPU tensors under TRITON_INTERPRET=1."""
 
@@ -140,11 +143,14 @@ class TritonBackend:
     def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> triton_configs.TritonTiles:
         capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
         tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), **overrides)
-        dq_settings = [key for key in ("dq_block_m", "dq_block_n", "dq_num_warps") if getattr(tiles, key)]
-        if dq_settings and tiles.backward_one_launch:
-            raise ValueError(f"tile settings {', '.join(dq_settings)} set the dQ kernel's tile, which only the "
-                             f"two-launch backward schedules (0, 2) have; backward_schedule is "
-                             f"{tiles.backward_schedule}")
+        if tiles.backward_one_launch:
+            dq_settings = [key for key in DQ_TILE_KEYS if overrides.get(key)]
+            if dq_settings:
+                raise ValueError(f"tile settings {', '.join(dq_settings)} set the dQ kernel's tile, which only the "
+                                 f"two-launch backward schedules (0, 2) have; backward_schedule is "
+                                 f"{tiles.backward_schedule}")
+            # the table's dQ tile belongs to its two-launch schedule: a forced one-launch schedule has none
+            tiles = dataclasses.replace(tiles, **dict.fromkeys(DQ_TILE_KEYS, 0))
         return tiles
 
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:
