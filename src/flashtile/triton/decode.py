@@ -9,9 +9,9 @@ read through the block table when the cache is paged) with the same online softm
 With one split it normalises and writes out and lse itself; otherwise it writes its normalised
 partial output and log-sum-exp to a float32 workspace, and the last of the tile's splits to finish
 merges them all with the log-sum-exp identity (weights exp(lse_s - lse), lse = log sum exp lse_s),
-in the same launch: each split takes a ticket from a per-tile counter (zeroed by the host) once its
-partial result is stored, and the program that draws the last ticket reads every split's partial
-back in split order, so the result does not depend on which program finished last. (Until session
+in the same launch: each split takes a ticket from a per-tile counter once its partial result is
+stored, and the program that draws the last ticket reads every split's partial back in split order
+(so the result does not depend on which program finished last) and sets the counter back to 0. (Until session
 10 a second kernel merged them: one launch more, which a host-bound decode step felt.)
 
 Key positions are bottom-right aligned per sequence (query token i sits at position
@@ -117,14 +117,16 @@ def attention_decode_kernel(
         # every thread's stores before the ticket (one thread takes it: a scalar atomic); acq_rel at GPU scope
         # publishes them to the program that draws the last ticket and shows it everyone else's
         tl.debug_barrier()
-        ticket = tl.atomic_add(Tickets + pid_bhk * tl.num_programs(2) + tl.program_id(2), 1, sem="acq_rel",
-                               scope="gpu")
+        ticket_counter = Tickets + pid_bhk * tl.num_programs(2) + tl.program_id(2)
+        ticket = tl.atomic_add(ticket_counter, 1, sem="acq_rel", scope="gpu")
         if ticket == num_splits - 1:
             first = tl.program_id(2) * BLOCK_M
             for row in range(first, tl.minimum(first + BLOCK_M, group_size * seqlen_q)):
                 _merge_splits(PartOut, PartLse, Out, Lse, b, hk * group_size + row // seqlen_q, row % seqlen_q,
                               (pid_bhk * num_splits).to(tl.int64) * rows_padded + row, rows_padded, num_splits,
                               stride_ob, stride_om, stride_oh, nheads, seqlen_q, HEADDIM_V, BLOCK_DV, BLOCK_S)
+            # every split of the tile has drawn its ticket: the counter is back to 0 for the next launch
+            tl.store(ticket_counter, 0)
     else:
         tl.store(Out + b * stride_ob + h[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_om
                  + offs_dv[None, :], out.to(Out.dtype.element_ty),

@@ -402,6 +402,31 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
                           blocks_per_split, tile.num_warps, tile.num_stages, page_per_block)
 
 
+# The split decode's ticket counters per (device, stream). The program that merges a tile sets its counter
+# back to 0, so a buffer is all zeros again once the previous launch on its stream has finished, and it is
+# reused instead of zeroed per call (a fill kernel and its host time on every decode step). Launches on one
+# stream run in order; another stream gets its own buffer; a CUDA graph being captured gets a fresh one (its
+# memory belongs to the graph, and its replays may run beside eager calls).
+_TICKETS: dict = {}
+# the current stream's handle as Triton reads it for its launches (torch's private call, public fallback)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _ticket_counters(count: int, device: torch.device) -> torch.Tensor:
+    """At least `count` int32 zeros on `device` for attention_decode_kernel's tickets (see _TICKETS)."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(count, dtype=torch.int32, device=device)
+        stream = _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
+        key = (device.index, stream)
+    else:
+        key = (device.type,)  # the interpreter: programs run one after another
+    counters = _TICKETS.get(key)
+    if counters is None or counters.numel() < count:
+        counters = _TICKETS[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return counters
+
+
 @dataclass(frozen=True)
 class _DecodeLaunch:
     """What a KV-cache problem's launches take that depends on neither tensors nor strides (cached per problem)."""
@@ -450,7 +475,7 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
         part_out = torch.empty(batch * p.nheads_k * plan.part_rows, dtype=torch.float32, device=q.device)
         part_lse = part_out[batch * p.nheads_k * splits * rows_padded * plan.options["BLOCK_DV"]:]
         # one ticket counter per tile (batch * K/V head, row block): the last split to arrive merges the tile
-        tickets = torch.zeros(batch * p.nheads_k * shape.row_blocks, dtype=torch.int32, device=q.device)
+        tickets = _ticket_counters(batch * p.nheads_k * shape.row_blocks, q.device)
     else:
         part_out = part_lse = tickets = lse  # never read or written
     slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
