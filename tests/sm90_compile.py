@@ -40,7 +40,9 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
     ptx = kernel.asm["ptx"]
     return {"label": label, "wgmma": "wgmma" in ptx, "mma": "mma.sync" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
             "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared,
-            "acq_rel_atomic": re.search(r"atom\.[a-z.]*acq_rel[a-z.]*gpu|atom\.[a-z.]*gpu[a-z.]*acq_rel", ptx) is not None}
+            "release_atomic": re.search(r"atom\.[a-z.]*release[a-z.]*gpu|atom\.[a-z.]*gpu[a-z.]*release", ptx) is not None,
+            "acquire_atomic": re.search(r"atom\.[a-z.]*acquire[a-z.]*gpu|atom\.[a-z.]*gpu[a-z.]*acquire", ptx) is not None,
+            "acq_rel_atomic": "acq_rel" in ptx}
 
 
 def table_tiles(dtype: str, headdim: int, causal: bool = False):
