@@ -7,7 +7,6 @@ the installed triton (not the GPU machine's) catches code-generation errors the 
 """
 
 import json
-import re
 import sys
 
 import triton
@@ -16,7 +15,7 @@ from triton.compiler import ASTSource
 
 from flashtile.triton.bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
                                   attention_bwd_preprocess_kernel)
-from flashtile.triton.decode import attention_decode_kernel
+from flashtile.triton.decode import attention_decode_combine_kernel, attention_decode_kernel
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 from flashtile.triton.configs import default_tiles
@@ -39,10 +38,7 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
     return {"label": label, "wgmma": "wgmma" in ptx, "mma": "mma.sync" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
-            "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared,
-            "release_atomic": re.search(r"atom\.[a-z.]*release[a-z.]*gpu|atom\.[a-z.]*gpu[a-z.]*release", ptx) is not None,
-            "acquire_atomic": re.search(r"atom\.[a-z.]*acquire[a-z.]*gpu|atom\.[a-z.]*gpu[a-z.]*acquire", ptx) is not None,
-            "acq_rel_atomic": "acq_rel" in ptx}
+            "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared}
 
 
 def table_tiles(dtype: str, headdim: int, causal: bool = False):
@@ -129,8 +125,7 @@ def main():
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
-                       "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32",
-                       "Tickets": "*i32"}
+                       "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
         # paged bf16 with both page lookups (per key for small pages, per block for pages a multiple of it)
         for per_block in (False, True) if paged and headdim == 128 else (False,):
             decode_tile = default_decode_tile((256 if per_block else 16) if paged else None)
@@ -138,8 +133,11 @@ def main():
                 f"decode{' paged' if paged else ''}{' per-block' if per_block else ''}{' split' if split else ''} {tag}",
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
-                     PAGE_PER_BLOCK=per_block, SPLIT=split, BLOCK_S=16 if split else 1),
+                     PAGE_PER_BLOCK=per_block, SPLIT=split),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
+    results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
+                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16),
+                                   {"PartOut": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))
     json.dump(results, sys.stdout)
 
 

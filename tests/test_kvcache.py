@@ -319,29 +319,6 @@ def test_one_page_lookup_per_key_block_reads_what_per_key_lookups_read(page_size
         torch.testing.assert_close(lse_block[b:b + 1].double(), want_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_split_decode_leaves_its_ticket_counters_at_zero_and_repeats_bitwise():
-    """The last split of each tile merges the tile and sets its ticket counter back to 0; the counters are
-    reused from call to call (launch._TICKETS), so a call that left one non-zero would break the next merge."""
-    from flashtile.triton import launch
-
-    k_cache, v_cache, table = make_cache(torch.float32, 16, max_blocks=24)  # 384 keys: three 128-key blocks
-    q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device=DEVICE)
-    lengths = torch.tensor([300, 0, 383], dtype=torch.int32, device=DEVICE)
-    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lengths, block_table=table, num_splits=3,
-                return_softmax_lse=True)
-    with flashtile.use_backend("triton"):
-        text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=lengths,
-                                     block_table=table, num_splits=3))
-        assert "3 split(s)" in text, text
-        first = flashtile.flash_attn_with_kvcache(**args)
-        second = flashtile.flash_attn_with_kvcache(**args)
-    for name, a, b in zip(("out", "lse"), first, second):
-        assert torch.equal(a, b), f"{name} differs between two identical split calls"
-    assert launch._TICKETS, "the split call used no ticket counters"
-    for key, counters in launch._TICKETS.items():
-        assert int(counters.count_nonzero()) == 0, f"ticket counters {key} left non-zero"
-
-
 def test_num_splits_must_be_a_non_negative_int():
     args = _call()
     with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
@@ -355,8 +332,7 @@ def test_explain_names_the_decode_schedule(backend):
         text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=10,
                                      block_table=table, num_splits=3, causal=True))
     assert "KV cache of 192 tokens per sequence (paged, 16-token pages)" in text, text
-    expected = ("attention_decode_kernel (the last split of each tile merges them)" if backend == "triton"
-                else "3 split(s)")
+    expected = "attention_decode_kernel + attention_decode_combine_kernel" if backend == "triton" else "3 split(s)"
     assert expected in text, text
     bad = flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", cache_seqlens=200, block_table=table)
     assert str(bad).startswith("this call would raise ValueError"), bad

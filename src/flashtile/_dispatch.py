@@ -108,7 +108,7 @@ class TritonBackend:
     kernel = ("flashtile.triton: attention_fwd_kernel / attention_fwd_tma_kernel; backward "
               "attention_bwd_preprocess_kernel, then attention_bwd_kernel or attention_bwd_dkdv_kernel + "
               "attention_bwd_dq_kernel; KV cache "
-              "attention_decode_kernel (split KV merged in the same launch)")
+              "attention_decode_kernel (+ attention_decode_combine_kernel when split)")
     tile_keys = triton_configs.TILE_KEYS
 
     def unavailable_reason(self, problem: AttentionProblem) -> str | None:

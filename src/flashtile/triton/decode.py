@@ -7,13 +7,8 @@ read from memory once for the whole group. It streams
 the key blocks of its split of the sequence's keys (positions 0 .. cache_seqlens[b] + seqlen_new - 1,
 read through the block table when the cache is paged) with the same online softmax as fwd.py.
 With one split it normalises and writes out and lse itself; otherwise it writes its normalised
-partial output and log-sum-exp to a float32 workspace, and the last of the tile's splits to finish
-merges them all with the log-sum-exp identity (weights exp(lse_s - lse), lse = log sum exp lse_s),
-in the same launch: each split takes a ticket from a per-tile counter once its partial result is
-stored, and the program that draws the last ticket reads every split's partial back in split order
-(so the result does not depend on which program finished last) and sets the counter back to 0. The
-tickets are released by every split and acquired only by the merging one. (Until session
-10 a second kernel merged them: one launch more, which a host-bound decode step felt.)
+partial output and log-sum-exp to a float32 workspace, and attention_decode_combine_kernel merges
+the splits with the log-sum-exp identity (weights exp(lse_s - lse), lse = log sum exp lse_s).
 
 Key positions are bottom-right aligned per sequence (query token i sits at position
 length - seqlen_q + i), so causal and windows mean what they mean in flash_attn_with_kvcache. Key
@@ -29,7 +24,7 @@ from .common import finish_rows, online_softmax_step, scores
 
 @triton.jit
 def attention_decode_kernel(
-    Q, KCache, VCache, CacheSeqlens, BlockTable, Slopes, Out, Lse, PartOut, PartLse, Tickets,
+    Q, KCache, VCache, CacheSeqlens, BlockTable, Slopes, Out, Lse, PartOut, PartLse,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -39,7 +34,7 @@ def attention_decode_kernel(
     rows_padded, score_scale, softcap_scale, softcap_out, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_PER_BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -111,26 +106,10 @@ def attention_decode_kernel(
 
     out, lse = finish_rows(acc, l_i, m_i)
     if SPLIT:
-        # workspace (batch * nheads_k, num_splits, rows_padded, ...), read back by the tile's last split
+        # workspace (batch * nheads_k, num_splits, rows_padded, ...): the combine kernel reads it back
         part = (pid_bhk * num_splits + split).to(tl.int64) * rows_padded + rows
         tl.store(PartOut + part[:, None] * BLOCK_DV + offs_dv[None, :], out)
         tl.store(PartLse + part, lse)
-        # every thread's stores before the ticket (one thread takes it: a scalar atomic), released at GPU scope
-        # for the program that draws the last ticket. Only that program acquires (below): an acquire at GPU
-        # scope invalidates the SM's L1, where programs sharing the SM keep the K/V sectors they are streaming
-        # (session 10: acq_rel on every ticket made contiguous split decoding 20-34% slower on an H200)
-        tl.debug_barrier()
-        ticket_counter = Tickets + pid_bhk * tl.num_programs(2) + tl.program_id(2)
-        ticket = tl.atomic_add(ticket_counter, 1, sem="release", scope="gpu")
-        if ticket == num_splits - 1:
-            # acquire every other split's partial; the counter goes back to 0 for the next launch
-            tl.atomic_xchg(ticket_counter, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()  # the acquiring thread before every thread's reads
-            first = tl.program_id(2) * BLOCK_M
-            for row in range(first, tl.minimum(first + BLOCK_M, group_size * seqlen_q)):
-                _merge_splits(PartOut, PartLse, Out, Lse, b, hk * group_size + row // seqlen_q, row % seqlen_q,
-                              (pid_bhk * num_splits).to(tl.int64) * rows_padded + row, rows_padded, num_splits,
-                              stride_ob, stride_om, stride_oh, nheads, seqlen_q, HEADDIM_V, BLOCK_DV, BLOCK_S)
     else:
         tl.store(Out + b * stride_ob + h[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_om
                  + offs_dv[None, :], out.to(Out.dtype.element_ty),
@@ -139,24 +118,32 @@ def attention_decode_kernel(
 
 
 @triton.jit
-def _merge_splits(PartOut, PartLse, Out, Lse, b, h, i, first_part, rows_padded, num_splits,
-                  stride_ob, stride_om, stride_oh, nheads, seqlen_q,
-                  HEADDIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One row's out = sum_s exp(lse_s - lse) o_s over its num_splits partials (at first_part + s * rows_padded)."""
-    splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < num_splits
-    part = first_part + splits.to(tl.int64) * rows_padded
-    # .cg: from L2, where the other programs' stores are (this program never read these lines before)
-    lses = tl.load(PartLse + part, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lses, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights 0, out 0
-    weights = tl.exp(lses - top)
-    total = tl.sum(weights, 0)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    parts = tl.load(PartOut + part[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0,
-                    cache_modifier=".cg")
-    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-    lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-    tl.store(Out + b * stride_ob + h * stride_oh + i.to(tl.int64) * stride_om + offs_dv,
-             out.to(Out.dtype.element_ty), mask=offs_dv < HEADDIM_V)
-    tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse)
+def attention_decode_combine_kernel(
+    PartOut, PartLse, Out, Lse,
+    stride_ob, stride_om, stride_oh,
+    nheads, nheads_k, group_size, seqlen_q, num_splits, rows_padded,
+    HEADDIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (batch * K/V head, row of the tile): out = sum_s exp(lse_s - lse) o_s."""
+    pid_bhk = tl.program_id(0)
+    row = tl.program_id(1)
+    g = row // seqlen_q
+    if g < group_size:
+        i = row % seqlen_q
+        b = (pid_bhk // nheads_k).to(tl.int64)
+        h = (pid_bhk % nheads_k).to(tl.int64) * group_size + g
+        splits = tl.arange(0, BLOCK_S)
+        split_ok = splits < num_splits
+        part = (pid_bhk * num_splits + splits).to(tl.int64) * rows_padded + row
+        lses = tl.load(PartLse + part, mask=split_ok, other=float("-inf"))
+        top = tl.max(lses, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights 0, out 0
+        weights = tl.exp(lses - top)
+        total = tl.sum(weights, 0)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        parts = tl.load(PartOut + part[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
+        out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+        lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(Out + b * stride_ob + h * stride_oh + i.to(tl.int64) * stride_om + offs_dv,
+                 out.to(Out.dtype.element_ty), mask=offs_dv < HEADDIM_V)
+        tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse)

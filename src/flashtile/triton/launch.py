@@ -22,7 +22,7 @@ from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_
                   attention_bwd_preprocess_kernel)
 from . import configs
 from .configs import TritonTiles, interpreting
-from .decode import attention_decode_kernel
+from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
 from .relaunch import launch
@@ -377,7 +377,7 @@ class DecodeGeometry:
     page_per_block: bool  # a paged cache's page looked up once per key block (see DecodeTile)
 
     def describe(self) -> str:
-        merge = " (the last split of each tile merges them)" if self.splits > 1 else ""
+        merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
         lookup = "; one page lookup per key block" if self.page_per_block else ""
         return (f"attention_decode_kernel{merge}: {self.row_blocks} x {self.block_m} rows per (batch, K/V head) "
                 f"(query heads of a group x query tokens), {self.block_n}-key blocks, {self.splits} split(s) of "
@@ -402,31 +402,6 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
                           blocks_per_split, tile.num_warps, tile.num_stages, page_per_block)
 
 
-# The split decode's ticket counters per (device, stream). The program that merges a tile sets its counter
-# back to 0, so a buffer is all zeros again once the previous launch on its stream has finished, and it is
-# reused instead of zeroed per call (a fill kernel and its host time on every decode step). Launches on one
-# stream run in order; another stream gets its own buffer; a CUDA graph being captured gets a fresh one (its
-# memory belongs to the graph, and its replays may run beside eager calls).
-_TICKETS: dict = {}
-# the current stream's handle as Triton reads it for its launches (torch's private call, public fallback)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _ticket_counters(count: int, device: torch.device) -> torch.Tensor:
-    """At least `count` int32 zeros on `device` for attention_decode_kernel's tickets (see _TICKETS)."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(count, dtype=torch.int32, device=device)
-        stream = _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
-        key = (device.index, stream)
-    else:
-        key = (device.type,)  # the interpreter: programs run one after another
-    counters = _TICKETS.get(key)
-    if counters is None or counters.numel() < count:
-        counters = _TICKETS[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-    return counters
-
-
 @dataclass(frozen=True)
 class _DecodeLaunch:
     """What a KV-cache problem's launches take that depends on neither tensors nor strides (cached per problem)."""
@@ -434,6 +409,7 @@ class _DecodeLaunch:
     shape: DecodeGeometry
     scalars: tuple  # the score scalars the decode kernel takes (scale, softcap, window)
     options: dict  # the decode kernel's constexprs and launch options
+    combine_options: dict
     part_rows: int  # floats of part_out then part_lse per (batch * K/V head, split) row block (when split)
 
 
@@ -446,11 +422,13 @@ def _decode_launch(problem: AttentionProblem, page_size: int | None, num_splits:
     del flags["MASK_KIND"]  # a KV cache takes no attn_mask
     _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
     options = dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=page_size is not None,
-                   PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, BLOCK_S=_next_power_of_2(shape.splits),
-                   num_warps=shape.num_warps, num_stages=shape.num_stages, **flags)
+                   PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, num_warps=shape.num_warps,
+                   num_stages=shape.num_stages, **flags)
+    combine_options = dict(HEADDIM_V=problem.headdim_v, BLOCK_DV=flags["BLOCK_DV"],
+                           BLOCK_S=_next_power_of_2(shape.splits))
     rows_padded = shape.row_blocks * shape.block_m
     return _DecodeLaunch(shape, (score_scale, softcap_scale, softcap_out, window_left, window_right), options,
-                         shape.splits * rows_padded * (flags["BLOCK_DV"] + 1))
+                         combine_options, shape.splits * rows_padded * (flags["BLOCK_DV"] + 1))
 
 
 def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
@@ -474,10 +452,8 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
         # one allocation for both partial results (a host-bound decode step feels each torch.empty)
         part_out = torch.empty(batch * p.nheads_k * plan.part_rows, dtype=torch.float32, device=q.device)
         part_lse = part_out[batch * p.nheads_k * splits * rows_padded * plan.options["BLOCK_DV"]:]
-        # one ticket counter per tile (batch * K/V head, row block): the last split to arrive merges the tile
-        tickets = _ticket_counters(batch * p.nheads_k * shape.row_blocks, q.device)
     else:
-        part_out = part_lse = tickets = lse  # never read or written
+        part_out = part_lse = lse  # never read or written
     slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
     paged = call.block_table is not None
     table = call.block_table if paged else call.cache_seqlens  # never read when contiguous
@@ -485,9 +461,15 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
     launch(
         attention_decode_kernel, (splits, batch * p.nheads_k, shape.row_blocks),
-        (q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse, tickets),
+        (q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse),
         (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
          *_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
          call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, *plan.scalars),
         **plan.options)
+    if splits > 1:
+        launch(
+            attention_decode_combine_kernel, (batch * p.nheads_k, p.group_size * seqlen_q),
+            (part_out, part_lse, out, lse),
+            (*_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded),
+            **plan.combine_options)
     return out, lse
