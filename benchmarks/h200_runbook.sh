@@ -25,9 +25,10 @@
 #   bash benchmarks/h200_runbook.sh d64bwd    # d = 64 backward tiles that ptxas compiles without spills (64 x 64 /
 #                                             # 8 warps) beside the table's 32 x 128 / 4 warps, fwd+bwd (run in the
 #                                             # ninth session: all slower, BENCHMARKS.md)
-#   bash benchmarks/h200_runbook.sh dqtile    # d = 64 backward with the dQ kernel's own tile (branch prepared/dq-tile):
-#                                             # its GPU tests, then two launches with dQ tiles 128 x 64 / 8 warps etc.
-#                                             # beside the table's one launch and FA2, fwd+bwd
+#   bash benchmarks/h200_runbook.sh dqtile    # d = 64 backward with the dQ kernel's own tile: its GPU tests, then two
+#                                             # launches with dQ tiles 128 x 64 / 8 warps etc. beside one launch and
+#                                             # FA2, fwd+bwd (run in the tenth session; 128 x 64 / 8 with TMA is now
+#                                             # the table's)
 #   bash benchmarks/h200_runbook.sh hostab    # host time per call, a previous tree (gpu-scratch/old/src, e.g.
 #                                             # `git archive <commit> src | tar -x -C gpu-scratch/old`) against
 #                                             # this one, interleaved (host_overhead.py --quick)

@@ -125,13 +125,13 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       host-side descriptors (schedule 3) at every length (session 8: +2% to +10% against pointer loads
       except 16k causal, 0%); 32 x 128 lost 9-11%; the dK/dV
       and dQ program bodies as separate (noinline) functions lost 8-11% (ptxas serialises wgmma
-      across a call). d = 64: the old 32 x 128 tile in one launch, +1% to +4% below 16k keys, -2% to
+      across a call). d = 64: the 32 x 128 tile in one launch (the table's until session 10), +1% to +4% below 16k keys, -2% to
       +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%;
       tiles that ptxas compiles without spills lost too (session 9, fwd+bwd: 64 x 64 and 128 x 64 with 8
       warps about half the table's rate, 64 x 64 / 4 warps -1..-8%, 32 x 128 / 8 warps -16..-19%). What did
       pay was the dQ kernel's own tile (session 10): its default, the 32 x 128 tile transposed (128 query
       rows against 32 keys, 4 warps), spills; 128 x 64 with 8 warps does not, and with TMA loads in two
-      launches it took dense d = 64 problems +4% to +5% past the table except 1k causal (below).
+      launches it took dense d = 64 problems +4% to +10% past the previous table except 1k causal (below).
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """
