@@ -109,13 +109,14 @@ def main():
         # with TMA loads of its key / value tiles where the table's two-launch schedule uses them
         dq_rows, dq_keys, dq_warps = t.dq_tile
         dq_tma = t.backward_tma and not t.backward_one_launch and not varlen
-        dq_ptrs = dict(bwd_ptrs, **{name: f"tensordesc<{dtype}[1,1,{dq_keys},{width}]>" for name in ("k_desc", "v_desc")},
+        dq_ptrs = dict(bwd_ptrs,
+                       **{name: f"tensordesc<{dtype}[1,1,{dq_keys},{width}]>" for name in ("k_desc", "v_desc")},
                        **{name: f"tensordesc<{dtype}[1,1,{m},{width}]>" for name in ("q_desc", "do_desc")})
-        results.append(compile_variant(f"bwd-dq {dq_rows}x{dq_keys}w{dq_warps}{' tma' if dq_tma else ''} {tag_varlen}",
-                                       attention_bwd_dq_kernel,
-                                       dict(flags, BLOCK_M=dq_rows, BLOCK_N=dq_keys, MASK_KIND=0 if varlen or dq_tma else 2,
-                                            VARLEN=varlen, USE_TMA=dq_tma), dq_ptrs if dq_tma else bwd_ptrs, dq_warps,
-                                       stages))
+        dq_label = f"bwd-dq {dq_rows}x{dq_keys}w{dq_warps}{' tma' if dq_tma else ''} {tag_varlen}"
+        results.append(compile_variant(dq_label, attention_bwd_dq_kernel,
+                                       dict(flags, BLOCK_M=dq_rows, BLOCK_N=dq_keys,
+                                            MASK_KIND=0 if varlen or dq_tma else 2, VARLEN=varlen, USE_TMA=dq_tma),
+                                       dq_ptrs if dq_tma else bwd_ptrs, dq_warps, stages))
         one_launch_tma = not varlen and dtype != "fp32"
         results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
                                        attention_bwd_kernel,

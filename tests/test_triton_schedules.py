@@ -214,7 +214,8 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
         tiles = default_tiles(_table_problem(seqlen, 64), (9, 0))
         assert (tiles.backward_schedule, tiles.dq_tile) == (2, (128, 64, 8)), seqlen
     banded_short = dataclasses.replace(_table_problem(1024, 64), window_right=0)
-    assert (default_tiles(banded_short, (9, 0)).backward_schedule, default_tiles(banded_short, (9, 0)).dq_block_m) == (1, 0)
+    tiles = default_tiles(banded_short, (9, 0))
+    assert (tiles.backward_schedule, tiles.dq_block_m) == (1, 0)
     assert default_tiles(dataclasses.replace(d64, varlen=True), (9, 0)).backward_schedule == 1
     assert default_tiles(dataclasses.replace(_table_problem(16384, 64), varlen=True), (9, 0)).backward_schedule == 0
     packed = default_tiles(dataclasses.replace(d128, varlen=True), (9, 0))  # packed batches: two launches

@@ -125,8 +125,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       host-side descriptors (schedule 3) at every length (session 8: +2% to +10% against pointer loads
       except 16k causal, 0%); 32 x 128 lost 9-11%; the dK/dV
       and dQ program bodies as separate (noinline) functions lost 8-11% (ptxas serialises wgmma
-      across a call). d = 64: the 32 x 128 tile in one launch (the table's until session 10), +1% to +4% below 16k keys, -2% to
-      +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%;
+      across a call). d = 64: the 32 x 128 tile in one launch (the table's until session 10), +1% to +4%
+      below 16k keys, -2% to +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%;
       tiles that ptxas compiles without spills lost too (session 9, fwd+bwd: 64 x 64 and 128 x 64 with 8
       warps about half the table's rate, 64 x 64 / 4 warps -1..-8%, 32 x 128 / 8 warps -16..-19%). What did
       pay was the dQ kernel's own tile (session 10): its default, the 32 x 128 tile transposed (128 query

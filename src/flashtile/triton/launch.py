@@ -416,6 +416,7 @@ class _DecodeLaunch:
 @functools.lru_cache(maxsize=256)
 def _decode_launch(problem: AttentionProblem, page_size: int | None, num_splits: int,
                    geometry: DecodeGeometry | None, precision: str) -> _DecodeLaunch:
+    """decode()'s launch constants for a problem (cached: a decode loop repeats them at every step)."""
     shape = geometry or decode_geometry(problem, page_size, num_splits)
     scalars, flags = _score_constants(problem, 0, precision)
     flags = _forward_widths(flags)
