@@ -98,9 +98,6 @@ class TorchBackend:
                                              attn_mask, problem, tiles)
 
 
-DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")
-
-
 class TritonBackend:
     """Fused Triton kernels: CUDA GPUs of compute capability 8.0 or newer; CPU tensors under TRITON_INTERPRET=1."""
 
@@ -128,7 +125,7 @@ class TritonBackend:
         return f"tensors on {problem.device.type} are not supported"
 
     def check_tile_setting(self, key: str, value: int) -> None:
-        if key.startswith("dq_") and value == 0:
+        if key in triton_configs.DQ_TILE_KEYS and value == 0:
             return  # 0: the dQ kernel takes the dK/dV tile transposed (TritonTiles.dq_tile)
         if key.startswith(("block", "bwd_block", "dq_block")) and (value < 16 or value & (value - 1)):
             raise ValueError(f"tile setting {key} must be a power of two >= 16, got {value}")
@@ -144,13 +141,13 @@ class TritonBackend:
         capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
         tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), **overrides)
         if tiles.backward_one_launch:
-            dq_settings = [key for key in DQ_TILE_KEYS if overrides.get(key)]
+            dq_settings = [key for key in triton_configs.DQ_TILE_KEYS if overrides.get(key)]
             if dq_settings:
                 raise ValueError(f"tile settings {', '.join(dq_settings)} set the dQ kernel's tile, which only the "
                                  f"two-launch backward schedules (0, 2) have; backward_schedule is "
                                  f"{tiles.backward_schedule}")
             # the table's dQ tile belongs to its two-launch schedule: a forced one-launch schedule has none
-            tiles = dataclasses.replace(tiles, **dict.fromkeys(DQ_TILE_KEYS, 0))
+            tiles = dataclasses.replace(tiles, **dict.fromkeys(triton_configs.DQ_TILE_KEYS, 0))
         return tiles
 
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:

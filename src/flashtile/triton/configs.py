@@ -85,6 +85,7 @@ BACKWARD_SCHEDULES = {
 }
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
+DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV tile transposed (TritonTiles.dq_tile)
 
 # Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and
 # dQ grids, keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch a full
@@ -152,11 +153,10 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # (session 10, fwd+bwd in one run against the previous table: +5..+7% / +5% / +5% at 1k / 4k / 16k
             # non-causal, +5..+10% / +4% at 4k / 16k causal; at 1k causal the one launch stayed ahead, 239 / 225
             # against 205)
-            return TritonTiles(128, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
-                               backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
-        one_launch = hopper_16bit and problem.seqlen_k < 16384
-        return TritonTiles(128, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
-                           backward_schedule=int(one_launch))
+            backward = dict(backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
+        else:
+            backward = dict(backward_schedule=int(hopper_16bit and problem.seqlen_k < 16384))
+        return TritonTiles(128, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule, **backward)
     if width <= 128:
         if hopper_16bit:
             # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's

@@ -410,7 +410,7 @@ class _DecodeLaunch:
     scalars: tuple  # the score scalars the decode kernel takes (scale, softcap, window)
     options: dict  # the decode kernel's constexprs and launch options
     combine_options: dict
-    part_rows: int  # floats of part_out then part_lse per (batch * K/V head, split) row block (when split)
+    part_floats: tuple[int, int]  # floats of part_out and of part_lse per batch * K/V head (when split)
 
 
 @functools.lru_cache(maxsize=256)
@@ -427,9 +427,9 @@ def _decode_launch(problem: AttentionProblem, page_size: int | None, num_splits:
                    num_stages=shape.num_stages, **flags)
     combine_options = dict(HEADDIM_V=problem.headdim_v, BLOCK_DV=flags["BLOCK_DV"],
                            BLOCK_S=_next_power_of_2(shape.splits))
-    rows_padded = shape.row_blocks * shape.block_m
+    partial_rows = shape.splits * shape.row_blocks * shape.block_m
     return _DecodeLaunch(shape, (score_scale, softcap_scale, softcap_out, window_left, window_right), options,
-                         combine_options, shape.splits * rows_padded * (flags["BLOCK_DV"] + 1))
+                         combine_options, (partial_rows * flags["BLOCK_DV"], partial_rows))
 
 
 def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
@@ -451,8 +451,9 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     splits, rows_padded = shape.splits, shape.row_blocks * shape.block_m
     if splits > 1:
         # one allocation for both partial results (a host-bound decode step feels each torch.empty)
-        part_out = torch.empty(batch * p.nheads_k * plan.part_rows, dtype=torch.float32, device=q.device)
-        part_lse = part_out[batch * p.nheads_k * splits * rows_padded * plan.options["BLOCK_DV"]:]
+        out_floats, lse_floats = (batch * p.nheads_k * n for n in plan.part_floats)
+        part_out = torch.empty(out_floats + lse_floats, dtype=torch.float32, device=q.device)
+        part_lse = part_out[out_floats:]
     else:
         part_out = part_lse = lse  # never read or written
     slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
