@@ -255,6 +255,58 @@ def test_validated_layouts_are_reused_and_every_rule_still_holds(monkeypatch):
     assert torch.equal(out, flashtile.flash_attn_with_kvcache(**dict(args, q=strided.contiguous())))
 
 
+@pytest.mark.parametrize("num_splits", (1, 3))
+def test_strided_cache_seqlens_and_block_table_read_as_their_values(backend, num_splits, seed):
+    """cache_seqlens and block_table given as strided views mean their values (appending and attending):
+    the kernels index both as contiguous arrays, so validation passes contiguous copies on."""
+    args = _call()
+    spread_lengths = torch.stack([args["cache_seqlens"], torch.full_like(args["cache_seqlens"], 10**6)], 1)
+    table = args["block_table"]
+    spread_table = torch.stack([table, torch.full_like(table, 10**6)], dim=2).flatten(1)
+    strided = dict(cache_seqlens=spread_lengths[:, 0], block_table=spread_table[:, ::2])
+    assert not any(t.is_contiguous() for t in strided.values())
+    caches = [(args["k_cache"].clone(), args["v_cache"].clone()) for _ in range(2)]
+    with flashtile.use_backend(backend):
+        outs = [flashtile.flash_attn_with_kvcache(**dict(args, k_cache=kc, v_cache=vc, **extra), causal=True,
+                                                 num_splits=num_splits)
+                for (kc, vc), extra in zip(caches, (strided, {}))]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_decode_plans_are_kept_per_layout_and_serve_each_calls_tensors(monkeypatch, seed):
+    """The Triton decode keeps its launch constants per validated layout: a later step with the same
+    layout (new q, cache contents and lengths) reuses the plan and still reads its own tensors; caches with
+    other strides (a view into wider rows) are another layout with a plan of their own."""
+    from flashtile.triton import launch
+
+    monkeypatch.setattr(launch, "_DECODE_PLANS", {})
+
+    def step(**changes):
+        args = _call(**changes)
+        args.update(k=None, v=None)
+        with flashtile.use_backend("triton"):
+            out = flashtile.flash_attn_with_kvcache(**args, causal=True, num_splits=3)
+        with flashtile.use_backend("torch"):
+            want = flashtile.flash_attn_with_kvcache(**args, causal=True, num_splits=3)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+    step()
+    assert len(launch._DECODE_PLANS) == 1
+    step(cache_seqlens=lambda a: torch.tensor([60, 17, 1], dtype=torch.int32, device=DEVICE))
+    assert len(launch._DECODE_PLANS) == 1, "a step with the same layout built a new plan"
+
+    def wider(name):
+        def view(args):
+            cache = args[name]
+            rows = torch.randn(*cache.shape[:-1], cache.shape[-1] + 8, device=DEVICE)
+            rows[..., :cache.shape[-1]] = cache
+            return rows[..., :cache.shape[-1]]
+        return view
+    step(k_cache=wider("k_cache"), v_cache=wider("v_cache"))
+    assert len(launch._DECODE_PLANS) == 2
+
+
 def test_value_rules_run_by_default_only_where_they_are_free():
     args = _call(cache_seqlens=lambda a: torch.tensor([5, 0, 70], dtype=torch.int32, device=DEVICE))
     args.update(k=None, v=None)  # a read past capacity: unchecked, it must stay inside the cache

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flashtile
@@ -71,6 +72,96 @@ def test_a_stand_in_without_a_jit_function_is_launched_through_itself_every_time
     assert not relaunch._compiled
 
 
+class _FakeLauncher:
+    """Stands in for Triton's compiled launcher (CudaLauncher): records the calls, through __call__ or launch."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, scratch: int = 0):
+        self.global_scratch_size = self.profile_scratch_size = scratch
+        self.runs, self.launches = [], []
+
+    def __call__(self, *args):
+        self.runs.append(args)
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel after its first launch."""
+
+    function, packed_metadata = 1234, (4, 1, 0)
+
+    def __init__(self, run):
+        self.run = run
+        self.grid_launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.grid_launches.append((grid, args))
+
+
+def _relaunch_fake(monkeypatch, compiled, version: str = "3.6.0"):
+    """Launch a stand-in JIT function twice through relaunch.launch: the second launch is a relaunch of
+    `compiled` (the first one's result). Returns the tensors passed."""
+    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "_compiled", {})
+    monkeypatch.setattr(relaunch, "_stream_getter", lambda: lambda device: 77 + device)
+    monkeypatch.setattr(relaunch, "_first_launch", lambda kernel, grid, args, options: compiled)
+    monkeypatch.setattr(relaunch.triton, "__version__", version)
+
+    class JitFunction:  # what _constexpr_tail reads: the Python function behind the kernel
+        @staticmethod
+        def fn(X, Y, n, BLOCK: "tl.constexpr" = 16):  # noqa: F821 - an annotation, as Triton kernels write it
+            pass
+
+    x, y = torch.empty(16), torch.empty(16)[2:]
+    for _ in range(2):
+        relaunch.launch(JitFunction(), (3, 2), (x, y), (5,), BLOCK=32)
+    return x, y
+
+
+def test_a_relaunch_calls_the_compiled_launcher_with_addresses_and_no_hooks(monkeypatch, on_cpu_device):
+    """With Triton 3.6 and no scratch memory: the compiled launcher itself, with the base arguments in its
+    order (grid, stream, function, cooperative, pdl, no scratch, metadata, no launch metadata, no hooks) and
+    each tensor as its address."""
+    launcher = _FakeLauncher()
+    compiled = _FakeCompiled(launcher)
+    x, y = _relaunch_fake(monkeypatch, compiled)
+    assert not launcher.runs and not compiled.grid_launches
+    assert launcher.launches == [(3, 2, 1, 77, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                                  x.data_ptr(), y.data_ptr(), 5, 32)]
+
+
+@pytest.mark.parametrize("version, scratch", [("3.9.0", 0), ("3.6.0", 256)], ids=("other-version", "scratch"))
+def test_a_relaunch_goes_through_run_for_other_versions_and_scratch(monkeypatch, on_cpu_device, version, scratch):
+    launcher = _FakeLauncher(scratch)
+    compiled = _FakeCompiled(launcher)
+    x, y = _relaunch_fake(monkeypatch, compiled, version)
+    assert not launcher.launches and not compiled.grid_launches
+    assert launcher.runs == [(3, 2, 1, 77, 1234, (4, 1, 0), None, None, None, x.data_ptr(), y.data_ptr(), 5, 32)]
+
+
+def test_a_launch_hook_gets_triton_own_launch_with_the_tensors(monkeypatch, on_cpu_device):
+    """A profiler's launch hook needs Triton's launch metadata: with one installed, relaunches go through
+    compiled[grid] with the tensors themselves."""
+    hooks = triton.knobs.runtime.launch_enter_hook
+    assert not relaunch._hooked()
+    hook = lambda metadata: None  # noqa: E731
+    hooks.add(hook)
+    try:
+        assert relaunch._hooked()
+        launcher = _FakeLauncher()
+        compiled = _FakeCompiled(launcher)
+        x, y = _relaunch_fake(monkeypatch, compiled)
+    finally:
+        hooks.remove(hook)
+    assert not launcher.launches and not launcher.runs
+    assert len(compiled.grid_launches) == 1
+    grid, args = compiled.grid_launches[0]
+    assert grid == (3, 2, 1) and args[0] is x and args[1] is y and args[2:] == (5, 32)
+
+
 class _RecordingKernel:
     """Stands in for a compiled kernel: records what a relaunch passes it."""
 
@@ -105,12 +196,12 @@ def test_every_launch_site_relaunches_with_one_argument_per_kernel_parameter(mon
             flashtile.flash_attn_with_kvcache(q[:, :1].detach(), k_cache, v_cache, cache_seqlens=200, num_splits=3)
 
     step()
-    kernels = {compiled.kernel.fn.__name__ for compiled, _ in relaunch._compiled.values()}
+    kernels = {compiled.kernel.fn.__name__ for compiled, *_ in relaunch._compiled.values()}
     assert kernels == {"attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_preprocess_kernel",
                        "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel", "attention_bwd_kernel",
                        "attention_decode_kernel", "attention_decode_combine_kernel"}, kernels
     step()  # every key is known now: each launch goes to a recording kernel
-    for compiled, tail in relaunch._compiled.values():
+    for compiled, *_ in relaunch._compiled.values():
         assert compiled.launches, f"{compiled.kernel.fn.__name__} was not relaunched"
         for grid, args in compiled.launches:
             assert len(grid) == 3

@@ -106,6 +106,22 @@ def test_equal_lengths_match_the_dense_batch(backend, seed):
     torch.testing.assert_close(packed_lse.view(4, 3, 21).transpose(0, 1), dense_lse, atol=1e-6, rtol=1e-5)
 
 
+def test_strided_cu_seqlens_read_as_their_values(backend, seed):
+    """cu_seqlens given as a strided view (every other entry of a longer tensor) mean their values, in the
+    forward and the backward (the kernels index a contiguous array: validation passes a copy on)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs([(5, 9), (0, 3), (7, 7)], 4, 2, 16, 16, torch.float32)
+    spread = [torch.stack([cu, torch.full_like(cu, 10**6)], dim=1).flatten()[::2] for cu in (cu_q, cu_k)]
+    assert not spread[0].is_contiguous() and torch.equal(spread[0], cu_q)
+    with flashtile.use_backend(backend):
+        out = flashtile.flash_attn_varlen_func(q, k, v, *spread, max_q, max_k, causal=True)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        plain = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+        plain_grads = torch.autograd.grad(plain.sum(), (q, k, v))
+    assert torch.equal(out, plain)
+    for name, a, b in zip("qkv", grads, plain_grads):
+        assert torch.equal(a, b), f"d{name} differs with strided cu_seqlens"
+
+
 def test_late_maximum_in_a_later_sequence_does_not_leak(backend, seed):
     """A huge score in one sequence must not touch its neighbours (sequences never see each other's keys)."""
     q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs([(20, 20), (20, 20)], 2, 2, 16, 16, torch.float32,

@@ -13,6 +13,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib.util
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -273,6 +274,7 @@ def plan(problem: AttentionProblem) -> Plan:
 
 
 _PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionProblem))
+_problem_fields = operator.attrgetter(*_PROBLEM_FIELDS)  # one C call: a decode step resolves every time
 
 
 def resolve(problem: AttentionProblem) -> tuple[str, tuple[int, ...]]:
@@ -281,7 +283,9 @@ def resolve(problem: AttentionProblem) -> tuple[str, tuple[int, ...]]:
     torch.compile evaluates the choice once while tracing and bakes it into the graph: the backend
     context and FLASHTILE_BACKEND are read when a function is compiled, not at each call.
     """
-    return _resolve_constant(tuple(getattr(problem, name) for name in _PROBLEM_FIELDS))
+    if torch.compiler.is_compiling():  # dynamo cannot trace attrgetter
+        return _resolve_constant(tuple(getattr(problem, name) for name in _PROBLEM_FIELDS))
+    return _resolve_constant(_problem_fields(problem))
 
 
 @torch.compiler.assume_constant_result

@@ -279,7 +279,8 @@ def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size
 
 
 def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, device: torch.device) -> int:
-    """Validate one cu_seqlens tensor; returns the number of sequences.
+    """Validate one cu_seqlens tensor; returns the number of sequences (the kernels read it contiguous:
+    prepare_flash_attn_varlen passes a strided one on as a copy).
 
     On the CPU every rule is checked, except while torch.compile traces (the values are not known
     then). On a GPU only dtype, shape and device are (checking the values would copy them to the host
@@ -339,8 +340,9 @@ def prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap,
         has_alibi=slopes is not None, mask_kind=None, varlen=True)
     packed = (unit_last_stride(t).unsqueeze(0) for t in (q, k, v))
+    # the kernels index cu_seqlens as a contiguous array; a strided view is copied (nseq + 1 ints)
     return PreparedCall(*packed, alibi_slopes=slopes, attn_mask=None, problem=problem,
-                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                        cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous())
 
 
 def _check_attn_mask(attn_mask: object, full_shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
@@ -421,7 +423,7 @@ def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
     return PreparedCall(*bshd, alibi_slopes=None, attn_mask=mask, problem=problem), out_shape
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a decode step ~1 us more
 class KVCacheCall:
     """A validated `flash_attn_with_kvcache` call.
 
@@ -429,6 +431,9 @@ class KVCacheCall:
     nheads_k, dim) with block_table (batch, max_blocks) int32 when paged; k_new / v_new (batch,
     seqlen_new, nheads_k, dim) or None; cache_seqlens (batch,) int32 on q's device: tokens already in
     each sequence's cache. After the append, sequence b attends to cache_seqlens[b] + seqlen_new keys.
+    q, cache_seqlens and block_table are contiguous where the kernels need them to be (copies of strided
+    arguments). layout holds what validation concluded from everything but tensor values; one layout
+    object serves every call with the same signature, so backends may key per-layout launch plans on it.
     """
 
     q: torch.Tensor
@@ -439,19 +444,24 @@ class KVCacheCall:
     cache_seqlens: torch.Tensor
     block_table: torch.Tensor | None
     alibi_slopes: torch.Tensor | None  # (batch or 1, nheads)
-    num_splits: int
-    problem: AttentionProblem
+    layout: "_KVCacheLayout"
+
+    @property
+    def problem(self) -> AttentionProblem:
+        return self.layout.problem
+
+    @property
+    def num_splits(self) -> int:
+        return self.layout.num_splits
 
     @property
     def page_size(self) -> int | None:
-        return None if self.block_table is None else self.k_cache.shape[1]
+        return self.layout.page_size
 
     @property
     def capacity(self) -> int:
         """Keys each sequence's cache can hold."""
-        if self.block_table is None:
-            return self.k_cache.shape[1]
-        return self.block_table.shape[1] * self.k_cache.shape[1]
+        return self.layout.capacity
 
 
 def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, seqlen_new: int,
@@ -494,11 +504,15 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _KVCacheLayout:
-    """What validating a `flash_attn_with_kvcache` call concluded from everything but tensor values."""
+    """What validating a `flash_attn_with_kvcache` call concluded from everything but tensor values.
+
+    Compared and hashed by identity (eq=False): prepare_kvcache keeps one per signature, and the Triton
+    backend keys its launch plans on it without hashing its fields at every decode step."""
 
     problem: AttentionProblem
+    num_splits: int
     capacity: int
     num_blocks: int
     page_size: int | None
@@ -506,6 +520,8 @@ class _KVCacheLayout:
     host_length: int | None  # every sequence's cached length, when cache_seqlens is an int or None
     check_values: bool  # run the rules that read cache_seqlens / block_table (unless capturing)
     q_copy: bool  # q's last dimension is not unit-stride: the kernels get a contiguous copy
+    index_copy: bool  # cache_seqlens or block_table is strided: the kernels, which index them as contiguous
+    # arrays, get contiguous copies
     slopes_row: bool  # alibi_slopes came as (nheads,): used as (1, nheads)
 
 
@@ -572,10 +588,13 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     if layout.check_values and not _capturing(q.device):
         _check_cache_values(cache_seqlens, block_table, layout.seqlen_new, layout.capacity, layout.num_blocks,
                             layout.page_size, lengths_checked=layout.host_length is not None)
+    if layout.index_copy:
+        cache_seqlens = cache_seqlens.contiguous()
+        block_table = None if block_table is None else block_table.contiguous()
     return KVCacheCall(q=q.contiguous() if layout.q_copy else q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
                        cache_seqlens=cache_seqlens, block_table=block_table,
                        alibi_slopes=alibi_slopes.unsqueeze(0) if layout.slopes_row else alibi_slopes,
-                       num_splits=int(num_splits), problem=layout.problem)
+                       layout=layout)
 
 
 def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
@@ -678,8 +697,11 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
         headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
         window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap, has_alibi=slopes is not None,
         mask_kind=None, kvcache=True)
-    return _KVCacheLayout(problem=problem, capacity=capacity, num_blocks=num_blocks, page_size=page_size,
+    strided_index = any(t is not None and type(t) is torch.Tensor and not t.is_contiguous()
+                        for t in (cache_seqlens, block_table))
+    return _KVCacheLayout(problem=problem, num_splits=int(num_splits), capacity=capacity, num_blocks=num_blocks,
+                          page_size=page_size,
                           seqlen_new=seqlen_new, host_length=host_length,
                           check_values=wanted and (host_length is None or block_table is not None),
-                          q_copy=q.shape[-1] > 1 and q.stride(-1) != 1,
+                          q_copy=q.shape[-1] > 1 and q.stride(-1) != 1, index_copy=strided_index,
                           slopes_row=slopes is not None and slopes is not alibi_slopes)

@@ -25,7 +25,7 @@ from .configs import TritonTiles, interpreting
 from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
-from .relaunch import launch
+from .relaunch import FixedLaunch, launch, launch_fixed
 
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions in recent
@@ -403,33 +403,68 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
 
 
 @dataclass(frozen=True)
-class _DecodeLaunch:
-    """What a KV-cache problem's launches take that depends on neither tensors nor strides (cached per problem)."""
+class _DecodePlan:
+    """Everything a KV-cache call's launches take but the tensors, for one validated layout (see decode())."""
 
     shape: DecodeGeometry
-    scalars: tuple  # the score scalars the decode kernel takes (scale, softcap, window)
-    options: dict  # the decode kernel's constexprs and launch options
-    combine_options: dict
-    part_floats: tuple[int, int]  # floats of part_out and of part_lse per batch * K/V head (when split)
+    grid: tuple
+    kernel: FixedLaunch  # attention_decode_kernel with its strides, sizes, score scalars and constexprs
+    combine_grid: tuple
+    combine: FixedLaunch | None  # attention_decode_combine_kernel, when the keys are split
+    out_shape: tuple
+    lse_shape: tuple
+    part_floats: tuple[int, int]  # floats of the split partial outputs and of their lse (0, 0 when not split)
 
 
-@functools.lru_cache(maxsize=256)
-def _decode_launch(problem: AttentionProblem, page_size: int | None, num_splits: int,
-                   geometry: DecodeGeometry | None, precision: str) -> _DecodeLaunch:
-    """decode()'s launch constants for a problem (cached: a decode loop repeats them at every step)."""
-    shape = geometry or decode_geometry(problem, page_size, num_splits)
-    scalars, flags = _score_constants(problem, 0, precision)
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precision: str, slopes_stride: int,
+                 table: torch.Tensor) -> _DecodePlan:
+    """decode()'s launch plan, built from the first call of a layout (a layout's signature fixes every stride
+    and size read here: q's, the caches', the block table's, the slopes')."""
+    p, q, k_cache, v_cache = call.problem, call.q, call.k_cache, call.v_cache
+    batch, seqlen_q = q.shape[:2]
+    shape = geometry or decode_geometry(p, call.page_size, num_splits)
+    scalars, flags = _score_constants(p, 0, precision)
     flags = _forward_widths(flags)
     del flags["MASK_KIND"]  # a KV cache takes no attn_mask
     _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
-    options = dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=page_size is not None,
-                   PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, num_warps=shape.num_warps,
-                   num_stages=shape.num_stages, **flags)
-    combine_options = dict(HEADDIM_V=problem.headdim_v, BLOCK_DV=flags["BLOCK_DV"],
-                           BLOCK_S=_next_power_of_2(shape.splits))
-    partial_rows = shape.splits * shape.row_blocks * shape.block_m
-    return _DecodeLaunch(shape, (score_scale, softcap_scale, softcap_out, window_left, window_right), options,
-                         combine_options, (partial_rows * flags["BLOCK_DV"], partial_rows))
+    out_shape = (batch, seqlen_q, p.nheads, p.headdim_v)
+    out_strides = _contiguous_strides(out_shape)[:3]
+    rows_padded = shape.row_blocks * shape.block_m
+    seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
+    kernel = FixedLaunch(
+        attention_decode_kernel,
+        (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
+         *out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
+         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale,
+         softcap_out, window_left, window_right),
+        dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
+             PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, num_warps=shape.num_warps,
+             num_stages=shape.num_stages, **flags))
+    combine, part_floats = None, (0, 0)
+    if shape.splits > 1:
+        combine = FixedLaunch(
+            attention_decode_combine_kernel,
+            (*out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, shape.splits, rows_padded),
+            dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(shape.splits)))
+        partial_rows = batch * p.nheads_k * shape.splits * rows_padded
+        part_floats = (partial_rows * flags["BLOCK_DV"], partial_rows)
+    return _DecodePlan(shape, (shape.splits, batch * p.nheads_k, shape.row_blocks), kernel,
+                       (batch * p.nheads_k, p.group_size * seqlen_q), combine, out_shape,
+                       (batch, p.nheads, seqlen_q), part_floats)
+
+
+# Plans by (validated layout, split request, geometry override, dot precision). A layout is compared by
+# identity and held by its key here, so a plan is never found for another layout's tensors.
+_DECODE_PLANS: dict = {}
+MAX_DECODE_PLANS = 1024
 
 
 def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
@@ -438,40 +473,32 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
 
     num_splits 0 lets choose_num_splits decide; the count is capped by the number of key blocks.
     geometry overrides decode_geometry's choice (for tuning scripts). Nothing is read back from the GPU.
+    The launch constants (strides, sizes, score scalars, constexprs) are computed once per validated
+    layout (call.layout) and reused: a decode loop's steps differ only in their tensors.
     """
-    p = call.problem
     q = call.q
-    batch, seqlen_q = q.shape[:2]
-    out = torch.empty(batch, seqlen_q, p.nheads, p.headdim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, p.nheads, seqlen_q, dtype=torch.float32, device=q.device)
-    if batch == 0:
+    precision = _dot_precision(q.dtype)
+    key = (call.layout, num_splits, geometry, precision)
+    slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
+    table = call.block_table if call.block_table is not None else call.cache_seqlens  # never read if contiguous
+    plan = _DECODE_PLANS.get(key)
+    if plan is None:
+        if len(_DECODE_PLANS) >= MAX_DECODE_PLANS:
+            _DECODE_PLANS.clear()
+        plan = _DECODE_PLANS[key] = _decode_plan(call, num_splits, geometry, precision, slopes_stride, table)
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    if plan.out_shape[0] == 0:
         return out, lse
-    plan = _decode_launch(p, call.page_size, num_splits, geometry, _dot_precision(p.dtype))
-    shape = plan.shape
-    splits, rows_padded = shape.splits, shape.row_blocks * shape.block_m
-    if splits > 1:
+    if plan.combine is None:
+        part_out = part_lse = lse  # never read or written
+    else:
         # one allocation for both partial results (a host-bound decode step feels each torch.empty)
-        out_floats, lse_floats = (batch * p.nheads_k * n for n in plan.part_floats)
+        out_floats, lse_floats = plan.part_floats
         part_out = torch.empty(out_floats + lse_floats, dtype=torch.float32, device=q.device)
         part_lse = part_out[out_floats:]
-    else:
-        part_out = part_lse = lse  # never read or written
-    slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
-    paged = call.block_table is not None
-    table = call.block_table if paged else call.cache_seqlens  # never read when contiguous
-    k_cache, v_cache = call.k_cache, call.v_cache
-    seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
-    launch(
-        attention_decode_kernel, (splits, batch * p.nheads_k, shape.row_blocks),
-        (q, k_cache, v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse),
-        (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
-         *_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
-         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, *plan.scalars),
-        **plan.options)
-    if splits > 1:
-        launch(
-            attention_decode_combine_kernel, (batch * p.nheads_k, p.group_size * seqlen_q),
-            (part_out, part_lse, out, lse),
-            (*_row_strides(out, 1), p.nheads, p.nheads_k, p.group_size, seqlen_q, splits, rows_padded),
-            **plan.combine_options)
+    launch_fixed(plan.kernel, plan.grid,
+                 (q, call.k_cache, call.v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse))
+    if plan.combine is not None:
+        launch_fixed(plan.combine, plan.combine_grid, (part_out, part_lse, out, lse))
     return out, lse

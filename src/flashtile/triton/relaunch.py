@@ -1,30 +1,43 @@
 """Launching a Triton kernel again without Triton's argument binder.
 
-`kernel[grid](*args, **constexprs)` runs Triton's binder on every call: it classifies each argument
-(pointer dtype and 16-byte alignment, integer value class, descriptor block shape), hashes the result
-and looks the compiled kernel up. On the H200's host that costs ~20 us of the ~33 us a launch of a
-36-argument kernel takes (BENCHMARKS.md, session 4: 13.1 us for the same compiled kernel relaunched
-directly), and a 1k-token forward or a decode step is short enough to feel it.
+`kernel[grid](...)` runs Triton's binder on every call: it classifies each argument (pointer dtype and
+16-byte alignment, integer value class, descriptor block shape), hashes the result and looks the compiled
+kernel up. On the H200's host that costs ~20 us of the ~33 us a launch of a 36-argument kernel takes
+(BENCHMARKS.md, session 4: 13.1 us for the same compiled kernel relaunched directly), and a 1k-token
+forward or a decode step is short enough to feel it.
 
 `launch` keeps the compiled kernel Triton returned under a key of its own, and relaunches it directly
 when the key comes back. The key is finer than Triton's specialisation, so equal keys always mean the
 same compiled kernel: the dtype and 16-byte alignment of every tensor, the dtype and block shape of
 every host-side tensor descriptor, the exact value and type of every scalar argument, every constexpr
 and launch option, and the current device. A new key goes through `kernel[grid]` (which compiles if it
-must) and records the result. Under the interpreter every call goes through Triton.
+must) and records the result. Under the interpreter every call goes through Triton. `launch_fixed` does
+the same for a `FixedLaunch`, a kernel whose scalars and constexprs a caller has fixed once (a decode
+plan): its key is that object, so a launch hashes neither the scalars nor the constexprs.
+
+A relaunch passes tensors as their addresses (ints), which Triton's launcher takes as they are, instead
+of tensors, for which it calls data_ptr() and asks the driver about the pointer once per argument; and,
+while no launch hook is installed, it calls the launcher without launch metadata or hooks. With Triton
+3.6 (the version on the H200, whose launcher this was read from) a kernel that needs no scratch memory
+goes to the compiled launcher itself, skipping the Python wrapper that allocates scratch; other versions
+go through `CompiledKernel.run`, or through `compiled[grid]` where that is missing.
 
 Contract of a kernel launched this way: its parameters are the tensors first, then the scalars, then
 the constexprs (passed by keyword; a constexpr left out takes its default). An object without the JIT
 function's `fn` (a test's stand-in that wraps a kernel) is launched through `[grid]` every time.
-Triton's launch hooks (`knobs.runtime.launch_enter_hook`, used by profilers) are honoured as Triton's
-own relaunch does; Triton's debug knobs are read when a key is first seen.
+Triton's launch hooks (`knobs.runtime.launch_enter_hook`, used by profilers) are honoured: with a hook
+installed, relaunches go through `compiled[grid]` with the tensors, as Triton's own relaunch does.
+Triton's debug knobs are read when a key is first seen.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import interpreting
@@ -32,13 +45,43 @@ from .configs import interpreting
 # keys are per distinct call shape; a process that sees more than this many starts over
 MAX_ENTRIES = 4096
 
+# Triton versions whose compiled launcher was read and is called directly (see the module docstring)
+DIRECT_LAUNCHER_VERSIONS = ("3.6.",)
+
 _compiled: dict = {}
+
+
+@dataclass(frozen=True, eq=False)
+class FixedLaunch:
+    """A kernel with its scalar arguments and constexprs / launch options fixed, for `launch_fixed`.
+
+    Compared and hashed by identity: whoever builds one keeps it for as long as the scalars hold (a
+    decode plan per validated layout), and every relaunch finds its compiled kernel by that identity."""
+
+    kernel: Any
+    scalars: tuple
+    options: dict
 
 
 def _tensor_key(t) -> tuple:
     if isinstance(t, TensorDescriptor):
         return t.base.dtype, tuple(t.block_shape)
     return t.dtype, t.data_ptr() % 16 == 0
+
+
+def _keys_and_arguments(tensors: tuple) -> tuple[tuple, list]:
+    """The key part of each tensor (as _tensor_key) and what the launcher is given for it: a tensor's
+    address as an int, a descriptor as it is."""
+    keys, arguments = [], []
+    for t in tensors:
+        if isinstance(t, TensorDescriptor):
+            keys.append((t.base.dtype, tuple(t.block_shape)))
+            arguments.append(t)
+        else:
+            address = t.data_ptr()
+            keys.append((t.dtype, address % 16 == 0))
+            arguments.append(address)
+    return tuple(keys), arguments
 
 
 def _device() -> int:
@@ -68,6 +111,61 @@ def _first_launch(kernel, grid: tuple, args: tuple, options: dict):
     return kernel[grid](*args, **options)
 
 
+def _hooked() -> bool:
+    """Whether a launch hook is installed (Triton 3.6 keeps them in HookChains, older versions None or a callable)."""
+    runtime = triton.knobs.runtime
+    return any(hook is not None and getattr(hook, "calls", True) for hook in
+               (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+def _stream_getter() -> Callable[[int], int]:
+    # the function Triton's own launch asks for the current stream (torch's raw stream on NVIDIA)
+    return triton.runtime.driver.active.get_current_stream
+
+
+def _hookless_launcher(compiled) -> Callable | None:
+    """A function (grid, device, arguments) that launches `compiled` with no launch metadata or hooks, or None
+    where `compiled` does not look like Triton's CompiledKernel (a test's recorder)."""
+    run, function, metadata = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
+    if run is None or function is None or metadata is None:
+        return None
+    stream_of = _stream_getter()
+    launcher = getattr(run, "launch", None)
+    direct = (triton.__version__.startswith(DIRECT_LAUNCHER_VERSIONS) and launcher is not None
+              and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0)
+    if direct:
+        cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+        def launch_direct(grid, device, arguments):
+            launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None, None, metadata,
+                     None, None, None, *arguments)
+        return launch_direct
+
+    def launch_through_run(grid, device, arguments):
+        run(grid[0], grid[1], grid[2], stream_of(device), function, metadata, None, None, None, *arguments)
+    return launch_through_run
+
+
+def _launch_keyed(key, kernel, grid: tuple, tensors: tuple, tensor_arguments: list, scalars: tuple, options: dict,
+                  device: int) -> None:
+    entry = _compiled.get(key)
+    if entry is None:
+        compiled = _first_launch(kernel, grid, (*tensors, *scalars), options)
+        if getattr(kernel, "fn", None) is None:
+            return  # a stand-in without a Python function behind it (tests' recorders): launched through itself
+        if len(_compiled) >= MAX_ENTRIES:
+            _compiled.clear()
+        _compiled[key] = (compiled, _constexpr_tail(kernel, len(tensors) + len(scalars), options),
+                          _hookless_launcher(compiled))
+        return
+    compiled, tail, hookless = entry
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    if hookless is not None and not _hooked():
+        hookless(grid, device, (*tensor_arguments, *scalars, *tail))
+    else:
+        compiled[grid](*tensors, *scalars, *tail)
+
+
 def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, **options) -> None:
     """kernel[grid](*tensors, *scalars, **options), relaunching the compiled kernel when the key is known.
 
@@ -78,16 +176,19 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, **options) -> No
     if interpreting():
         kernel[grid](*tensors, *scalars, **options)
         return
-    key = launch_key(kernel, tensors, scalars, options)
-    entry = _compiled.get(key)
-    if entry is None:
-        compiled = _first_launch(kernel, grid, (*tensors, *scalars), options)
-        if getattr(kernel, "fn", None) is None:
-            return  # a stand-in without a Python function behind it (tests' recorders): launched through itself
-        if len(_compiled) >= MAX_ENTRIES:
-            _compiled.clear()
-        _compiled[key] = (compiled, _constexpr_tail(kernel, len(tensors) + len(scalars), options))
+    device = _device()
+    tensor_keys, tensor_arguments = _keys_and_arguments(tensors)
+    key = (id(kernel), device, tensor_keys, scalars, tuple(map(type, scalars)), tuple(options.items()))
+    _launch_keyed(key, kernel, grid, tensors, tensor_arguments, scalars, options, device)
+
+
+def launch_fixed(fixed: FixedLaunch, grid: tuple, tensors: tuple) -> None:
+    """launch(fixed.kernel, grid, tensors, fixed.scalars, **fixed.options), keyed by `fixed` itself."""
+    if interpreting():
+        fixed.kernel[grid](*tensors, *fixed.scalars, **fixed.options)
         return
-    compiled, tail = entry
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    compiled[grid](*tensors, *scalars, *tail)
+    device = _device()
+    tensor_keys, tensor_arguments = _keys_and_arguments(tensors)
+    # the key holds `fixed`, so its identity cannot be reused while the entry lives
+    _launch_keyed((fixed, device, tensor_keys), fixed.kernel, grid, tensors, tensor_arguments, fixed.scalars,
+                  fixed.options, device)
