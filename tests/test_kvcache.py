@@ -307,6 +307,22 @@ def test_decode_plans_are_kept_per_layout_and_serve_each_calls_tensors(monkeypat
     assert len(launch._DECODE_PLANS) == 2
 
 
+@pytest.mark.parametrize("num_splits", (1, 3))
+@pytest.mark.parametrize("page_size", (None, 16), ids=("contiguous", "page16"))
+def test_out_without_lse_is_out_with_it(backend, page_size, num_splits, seed):
+    """return_softmax_lse=False: the Triton kernels skip storing lse (nothing is allocated for it); out is
+    bitwise the out of the same call with lse returned."""
+    k_cache, v_cache, table = make_cache(torch.float32, page_size)
+    q = torch.randn(BATCH, 2, NHEADS, HEADDIM, device=DEVICE)
+    lengths = torch.tensor(CACHED, dtype=torch.int32, device=DEVICE)
+    with flashtile.use_backend(backend):
+        alone = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
+                                                 causal=True, num_splits=num_splits)
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
+                                                     causal=True, num_splits=num_splits, return_softmax_lse=True)
+    assert torch.equal(alone, out) and lse.shape == (BATCH, NHEADS, 2)
+
+
 def test_value_rules_run_by_default_only_where_they_are_free():
     args = _call(cache_seqlens=lambda a: torch.tensor([5, 0, 70], dtype=torch.int32, device=DEVICE))
     args.update(k=None, v=None)  # a read past capacity: unchecked, it must stay inside the cache

@@ -517,6 +517,7 @@ class _KVCacheLayout:
     num_blocks: int
     page_size: int | None
     seqlen_new: int
+    return_lse: bool  # return_softmax_lse
     host_length: int | None  # every sequence's cached length, when cache_seqlens is an int or None
     check_values: bool  # run the rules that read cache_seqlens / block_table (unless capturing)
     q_copy: bool  # q's last dimension is not unit-stride: the kernels get a contiguous copy
@@ -701,7 +702,7 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
                         for t in (cache_seqlens, block_table))
     return _KVCacheLayout(problem=problem, num_splits=int(num_splits), capacity=capacity, num_blocks=num_blocks,
                           page_size=page_size,
-                          seqlen_new=seqlen_new, host_length=host_length,
+                          seqlen_new=seqlen_new, return_lse=return_softmax_lse, host_length=host_length,
                           check_values=wanted and (host_length is None or block_table is not None),
                           q_copy=q.shape[-1] > 1 and q.stride(-1) != 1, index_copy=strided_index,
                           slopes_row=slopes is not None and slopes is not alibi_slopes)

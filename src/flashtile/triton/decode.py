@@ -9,6 +9,8 @@ read through the block table when the cache is paged) with the same online softm
 With one split it normalises and writes out and lse itself; otherwise it writes its normalised
 partial output and log-sum-exp to a float32 workspace, and attention_decode_combine_kernel merges
 the splits with the log-sum-exp identity (weights exp(lse_s - lse), lse = log sum exp lse_s).
+The final lse is stored only when the caller asked for it (STORE_LSE): a decode step that does not
+return it then allocates nothing for it.
 
 Key positions are bottom-right aligned per sequence (query token i sits at position
 length - seqlen_q + i), so causal and windows mean what they mean in flash_attn_with_kvcache. Key
@@ -30,11 +32,11 @@ def attention_decode_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_table_b, stride_slopes_b,
     stride_ob, stride_om, stride_oh,
-    nheads, nheads_k, group_size, seqlen_q, seqlen_new, capacity, page_size, num_blocks, blocks_per_split,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_new, capacity, num_blocks, blocks_per_split,
     rows_padded, score_scale, softcap_scale, softcap_out, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_PER_BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGE_PER_BLOCK: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -78,19 +80,20 @@ def attention_decode_kernel(
         if PAGED and PAGE_PER_BLOCK:
             # pages a multiple of BLOCK_N, blocks starting on multiples of BLOCK_N: the block lies in one page,
             # looked up once; its rows are then consecutive, as in a contiguous cache
-            block = tl.load(BlockTable + b * stride_table_b + n0 // page_size)
+            block = tl.load(BlockTable + b * stride_table_b + n0 // PAGE_SIZE)
             block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
-            within = (n0 % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
+            within = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
             k_rows = block * stride_kb + within * stride_kn
             v_rows = block * stride_vb + within * stride_vn
         elif PAGED:
             # each key looks up its own page, so a block may span pages smaller than BLOCK_N (rows stay
             # contiguous along the head dim, which is what coalescing needs); block indices the host did not
-            # check are clamped into the cache, never followed outside it
-            block = tl.load(BlockTable + b * stride_table_b + offs_n // page_size, mask=key_ok, other=0)
+            # check are clamped into the cache, never followed outside it. PAGE_SIZE is a constexpr so that
+            # the per-key division and remainder compile to shifts (a power of two) or a multiply, not a division
+            block = tl.load(BlockTable + b * stride_table_b + offs_n // PAGE_SIZE, mask=key_ok, other=0)
             block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
-            k_rows = block * stride_kb + (offs_n % page_size).to(tl.int64) * stride_kn
-            v_rows = block * stride_vb + (offs_n % page_size).to(tl.int64) * stride_vn
+            k_rows = block * stride_kb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kn
+            v_rows = block * stride_vb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_vn
         else:
             k_rows = b * stride_kb + offs_n.to(tl.int64) * stride_kn
             v_rows = b * stride_vb + offs_n.to(tl.int64) * stride_vn
@@ -114,7 +117,8 @@ def attention_decode_kernel(
         tl.store(Out + b * stride_ob + h[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_om
                  + offs_dv[None, :], out.to(Out.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
-        tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse, mask=row_ok)
+        if STORE_LSE:
+            tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse, mask=row_ok)
 
 
 @triton.jit
@@ -122,7 +126,7 @@ def attention_decode_combine_kernel(
     PartOut, PartLse, Out, Lse,
     stride_ob, stride_om, stride_oh,
     nheads, nheads_k, group_size, seqlen_q, num_splits, rows_padded,
-    HEADDIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEADDIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """One program per (batch * K/V head, row of the tile): out = sum_s exp(lse_s - lse) o_s."""
     pid_bhk = tl.program_id(0)
@@ -146,4 +150,5 @@ def attention_decode_combine_kernel(
         lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
         tl.store(Out + b * stride_ob + h * stride_oh + i.to(tl.int64) * stride_om + offs_dv,
                  out.to(Out.dtype.element_ty), mask=offs_dv < HEADDIM_V)
-        tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse)
+        if STORE_LSE:
+            tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse)

@@ -412,7 +412,7 @@ class _DecodePlan:
     combine_grid: tuple
     combine: FixedLaunch | None  # attention_decode_combine_kernel, when the keys are split
     out_shape: tuple
-    lse_shape: tuple
+    lse_shape: tuple | None  # None: the caller did not ask for lse, and the kernels do not store it
     part_floats: tuple[int, int]  # floats of the split partial outputs and of their lse (0, 0 when not split)
 
 
@@ -439,26 +439,28 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
     out_strides = _contiguous_strides(out_shape)[:3]
     rows_padded = shape.row_blocks * shape.block_m
     seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
+    store_lse = call.layout.return_lse
     kernel = FixedLaunch(
         attention_decode_kernel,
         (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
          *out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
-         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale,
-         softcap_out, window_left, window_right),
+         k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out,
+         window_left, window_right),
         dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
-             PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, num_warps=shape.num_warps,
-             num_stages=shape.num_stages, **flags))
+             PAGE_SIZE=call.page_size or 1, PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1,
+             STORE_LSE=store_lse, num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
     combine, part_floats = None, (0, 0)
     if shape.splits > 1:
         combine = FixedLaunch(
             attention_decode_combine_kernel,
             (*out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, shape.splits, rows_padded),
-            dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(shape.splits)))
+            dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(shape.splits),
+                 STORE_LSE=store_lse))
         partial_rows = batch * p.nheads_k * shape.splits * rows_padded
         part_floats = (partial_rows * flags["BLOCK_DV"], partial_rows)
     return _DecodePlan(shape, (shape.splits, batch * p.nheads_k, shape.row_blocks), kernel,
                        (batch * p.nheads_k, p.group_size * seqlen_q), combine, out_shape,
-                       (batch, p.nheads, seqlen_q), part_floats)
+                       (batch, p.nheads, seqlen_q) if store_lse else None, part_floats)
 
 
 # Plans by (validated layout, split request, geometry override, dot precision). A layout is compared by
@@ -469,7 +471,8 @@ MAX_DECODE_PLANS = 1024
 
 def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     """Attention over a KV cache (kvcache.KVCacheCall, new tokens already appended): returns out
-    (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32.
+    (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32, or None
+    for lse when the call did not ask for it (call.layout.return_lse).
 
     num_splits 0 lets choose_num_splits decide; the count is capped by the number of key blocks.
     geometry overrides decode_geometry's choice (for tuning scripts). Nothing is read back from the GPU.
@@ -487,18 +490,19 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
             _DECODE_PLANS.clear()
         plan = _DECODE_PLANS[key] = _decode_plan(call, num_splits, geometry, precision, slopes_stride, table)
     out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    lse = None if plan.lse_shape is None else torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     if plan.out_shape[0] == 0:
         return out, lse
+    lse_arg = out if lse is None else lse  # never written without STORE_LSE
     if plan.combine is None:
-        part_out = part_lse = lse  # never read or written
+        part_out = part_lse = lse_arg  # never read or written
     else:
         # one allocation for both partial results (a host-bound decode step feels each torch.empty)
         out_floats, lse_floats = plan.part_floats
         part_out = torch.empty(out_floats + lse_floats, dtype=torch.float32, device=q.device)
         part_lse = part_out[out_floats:]
     launch_fixed(plan.kernel, plan.grid,
-                 (q, call.k_cache, call.v_cache, call.cache_seqlens, table, slopes, out, lse, part_out, part_lse))
+                 (q, call.k_cache, call.v_cache, call.cache_seqlens, table, slopes, out, lse_arg, part_out, part_lse))
     if plan.combine is not None:
-        launch_fixed(plan.combine, plan.combine_grid, (part_out, part_lse, out, lse))
+        launch_fixed(plan.combine, plan.combine_grid, (part_out, part_lse, out, lse_arg))
     return out, lse
