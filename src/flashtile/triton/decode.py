@@ -32,11 +32,11 @@ def attention_decode_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_table_b, stride_slopes_b,
     stride_ob, stride_om, stride_oh,
-    nheads, nheads_k, group_size, seqlen_q, seqlen_new, capacity, num_blocks, blocks_per_split,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_new, capacity, page_size, num_blocks, blocks_per_split,
     rows_padded, score_scale, softcap_scale, softcap_out, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    PAGE_PER_BLOCK: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_PER_BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -80,20 +80,19 @@ def attention_decode_kernel(
         if PAGED and PAGE_PER_BLOCK:
             # pages a multiple of BLOCK_N, blocks starting on multiples of BLOCK_N: the block lies in one page,
             # looked up once; its rows are then consecutive, as in a contiguous cache
-            block = tl.load(BlockTable + b * stride_table_b + n0 // PAGE_SIZE)
+            block = tl.load(BlockTable + b * stride_table_b + n0 // page_size)
             block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
-            within = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            within = (n0 % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
             k_rows = block * stride_kb + within * stride_kn
             v_rows = block * stride_vb + within * stride_vn
         elif PAGED:
             # each key looks up its own page, so a block may span pages smaller than BLOCK_N (rows stay
             # contiguous along the head dim, which is what coalescing needs); block indices the host did not
-            # check are clamped into the cache, never followed outside it. PAGE_SIZE is a constexpr so that
-            # the per-key division and remainder compile to shifts (a power of two) or a multiply, not a division
-            block = tl.load(BlockTable + b * stride_table_b + offs_n // PAGE_SIZE, mask=key_ok, other=0)
+            # check are clamped into the cache, never followed outside it
+            block = tl.load(BlockTable + b * stride_table_b + offs_n // page_size, mask=key_ok, other=0)
             block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
-            k_rows = block * stride_kb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kn
-            v_rows = block * stride_vb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_vn
+            k_rows = block * stride_kb + (offs_n % page_size).to(tl.int64) * stride_kn
+            v_rows = block * stride_vb + (offs_n % page_size).to(tl.int64) * stride_vn
         else:
             k_rows = b * stride_kb + offs_n.to(tl.int64) * stride_kn
             v_rows = b * stride_vb + offs_n.to(tl.int64) * stride_vn

@@ -444,11 +444,11 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
         attention_decode_kernel,
         (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
          *out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
-         k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale, softcap_out,
-         window_left, window_right),
+         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale,
+         softcap_out, window_left, window_right),
         dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
-             PAGE_SIZE=call.page_size or 1, PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1,
-             STORE_LSE=store_lse, num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
+             PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, STORE_LSE=store_lse,
+             num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
     combine, part_floats = None, (0, 0)
     if shape.splits > 1:
         combine = FixedLaunch(
