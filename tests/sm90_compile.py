@@ -17,7 +17,6 @@ from flashtile.triton.bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_ke
                                   attention_bwd_preprocess_kernel)
 from flashtile.triton.decode import attention_decode_combine_kernel, attention_decode_kernel
 from flashtile.triton.fwd import attention_fwd_kernel
-from flashtile.triton.fwd_persistent import attention_fwd_persistent_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 from flashtile.triton.configs import default_tiles
 from flashtile.triton.launch import default_decode_tile
@@ -92,15 +91,6 @@ def main():
                      VARLEN=packed),
                 dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32"),
                 warps, stages))
-        # schedule 3 (persistent) serves problems without a band: the table's forward tile, no band, ALiBi,
-        # and the ragged-key mask on every step in the fp32 variant
-        results.append(compile_variant(
-            f"fwd-persistent {dtype} d{headdim} full", attention_fwd_persistent_kernel,
-            dict(flags, HAS_RIGHT=False, HAS_ALIBI=True, BLOCK_M=128, BLOCK_N=forward.block_n,
-                 MASK_KEYS=dtype == "fp32"),
-            dict({name: f"tensordesc<{dtype}[1,1,{128 if name == 'q_desc' else forward.block_n},{width}]>"
-                  for name in ("q_desc", "k_desc", "v_desc")}, Out=ptr, Lse="*fp32", Slopes="*fp32"),
-            forward.num_warps, forward.num_stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))
@@ -144,10 +134,10 @@ def main():
                 f"decode{' paged' if paged else ''}{' per-block' if per_block else ''}{' split' if split else ''} {tag}",
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
-                     PAGE_PER_BLOCK=per_block, SPLIT=split, STORE_LSE=not split),
+                     PAGE_PER_BLOCK=per_block, SPLIT=split),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
-                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True),
+                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16),
                                    {"PartOut": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))
     json.dump(results, sys.stdout)
 

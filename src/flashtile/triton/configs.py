@@ -31,9 +31,7 @@ class TritonTiles:
     bwd_block_n: int
     bwd_num_warps: int
     bwd_num_stages: int
-    # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py); 3: TMA, persistent
-    # programs (fwd_persistent.py) where the batch is dense and unbanded
-    forward_schedule: int = 0
+    forward_schedule: int = 0  # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py)
     # backward: 0 the dK/dV then the dQ kernel; 1 both kinds of program in one launch; 2, 3 as 0, 1 with the
     # streamed Q/dO (dK/dV programs) and K/V (dQ programs) tiles loaded by TMA (bwd.py)
     backward_schedule: int = 0
@@ -75,9 +73,6 @@ FORWARD_SCHEDULES = {
     2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned, the batch is "
         "dense, there are keys and there is no attn_mask (opt-in and experimental: under triton 3.6 on an H200, "
         "beside other GPU processes, 3 of 382,482 reruns returned NaN; it warns when it runs)"),
-    3: ("attention_fwd_persistent_kernel, host-side TMA descriptors, about one program per SM walking the query "
-        "blocks in one pipelined loop, when the batch is dense and has no band (causal, window) and schedule 1's "
-        "conditions hold; schedule 1 for other problems"),
 }
 
 BACKWARD_SCHEDULES = {

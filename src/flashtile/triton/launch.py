@@ -24,7 +24,6 @@ from . import configs
 from .configs import TritonTiles, interpreting
 from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .fwd import attention_fwd_kernel
-from .fwd_persistent import attention_fwd_persistent_kernel
 from .fwd_tma import attention_fwd_tma_kernel
 from .relaunch import FixedLaunch, launch, launch_fixed
 
@@ -210,13 +209,9 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     flags = _forward_widths(flags)
     grid = (max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m)), p.batch * p.nheads)
-    # packed batches take TMA loads under schedules 1 and 3 only (the warp-specialized loop keeps to dense
-    # batches); schedule 3 is persistent where the batch is dense and has no band, schedule 1 elsewhere
-    tma_schedule = tiles.forward_schedule in (1, 3) or (tiles.forward_schedule == 2 and not varlen)
+    # packed batches take TMA loads under schedule 1 only (the warp-specialized loop keeps to dense batches)
+    tma_schedule = tiles.forward_schedule == 1 or (tiles.forward_schedule == 2 and not varlen)
     if tma_schedule and _tma_ready((q, k, v), attn_mask):
-        if tiles.forward_schedule == 3 and not varlen and not p.is_banded:
-            _forward_persistent(q, k, v, out, lse, slopes, slopes_stride, scalars, flags, p, tiles)
-            return out, lse
         mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
         if tiles.forward_schedule == 2:
             warnings.warn(WARP_SPECIALIZED_WARNING, RuntimeWarning, stacklevel=2)
@@ -241,28 +236,6 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         VARLEN=varlen, **flags)
     return out, lse
-
-
-# programs of the persistent forward per SM (one 128 x 128 / 8-warp program fills an H200 SM's registers)
-PERSISTENT_PROGRAMS_PER_SM = 1
-
-
-def _forward_persistent(q, k, v, out, lse, slopes, slopes_stride, scalars, flags, p: AttentionProblem,
-                        tiles: TritonTiles) -> None:
-    """Schedule 3 (fwd_persistent.py): about one program per SM walks the (batch * head, query block) tiles."""
-    query_blocks = _cdiv(p.seqlen_q, tiles.block_m)
-    count = p.batch * p.nheads * query_blocks
-    programs = min(count, _sm_count(q.device) * PERSISTENT_PROGRAMS_PER_SM)
-    block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
-    constexprs = {name: value for name, value in flags.items() if name != "MASK_KIND"}
-    launch(
-        attention_fwd_persistent_kernel, (programs,),
-        (_heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
-         _heads_view(v, tiles.block_n, block_dv), out, lse, slopes),
-        (*_row_strides(out, 1), lse.stride(0), lse.stride(1), slopes_stride, p.nheads, p.group_size, p.seqlen_q,
-         p.seqlen_k, query_blocks, count, _cdiv(p.seqlen_k, tiles.block_n), *scalars),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        MASK_KEYS=p.seqlen_k % tiles.block_n != 0, **constexprs)
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem: AttentionProblem,
