@@ -134,10 +134,10 @@ def main():
                 f"decode{' paged' if paged else ''}{' per-block' if per_block else ''}{' split' if split else ''} {tag}",
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
-                     PAGE_PER_BLOCK=per_block, SPLIT=split),
+                     PAGE_PER_BLOCK=per_block, SPLIT=split, STORE_LSE=not split),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
-                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16),
+                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True),
                                    {"PartOut": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))
     json.dump(results, sys.stdout)
 
