@@ -20,7 +20,9 @@ of tensors, for which it calls data_ptr() and asks the driver about the pointer 
 while no launch hook is installed, it calls the launcher without launch metadata or hooks. With Triton
 3.6 (the version on the H200, whose launcher this was read from) a kernel that needs no scratch memory
 goes to the compiled launcher itself, skipping the Python wrapper that allocates scratch; other versions
-go through `CompiledKernel.run`, or through `compiled[grid]` where that is missing.
+go through `CompiledKernel.run`, or through `compiled[grid]` where that is missing. With these and the
+decode plans (launch.decode), a small decode step's host time on the H200 went from 77-131 to 43-55 us
+(BENCHMARKS.md, session 11).
 
 Contract of a kernel launched this way: its parameters are the tensors first, then the scalars, then
 the constexprs (passed by keyword; a constexpr left out takes its default). An object without the JIT
