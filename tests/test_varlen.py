@@ -106,6 +106,34 @@ def test_equal_lengths_match_the_dense_batch(backend, seed):
     torch.testing.assert_close(packed_lse.view(4, 3, 21).transpose(0, 1), dense_lse, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backward_schedule", (0, 1), ids=("two-launches", "one-launch"))
+@pytest.mark.parametrize("scenario", ("plain", "everything"))
+def test_triton_backward_writes_every_gradient_row(monkeypatch, backward_schedule, scenario, seed):
+    """The kernels' gradient buffers start uninitialised (no zero fill): with every new float tensor filled
+    with NaN, dq, dk and dv still match the oracle, including the keys of a sequence without queries (zero
+    gradient) and keys that a window hides from every query."""
+    lengths = LENGTHS["mixed"]
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(lengths, 4, 2, 16, 24, torch.float32)
+    kwargs = SCENARIOS[scenario](len(lengths), 4)
+    grad_out = torch.randn(q.shape[0], 4, 24, dtype=torch.float64, device=DEVICE)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    with flashtile.use_backend("triton", backward_schedule=backward_schedule):
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+        monkeypatch.setattr(torch, "empty", poisoned_empty)
+        grads = torch.autograd.grad((out.double() * grad_out).sum(), (q, k, v))
+        monkeypatch.setattr(torch, "empty", real_empty)
+    ref, _ = flash_attn_varlen_reference(q, k, v, cu_q, cu_k, **kwargs)
+    want = torch.autograd.grad((ref * grad_out).sum(), (q, k, v))
+    for name, got, expected in zip("qkv", grads, want):
+        assert bool(got.isfinite().all()), f"d{name} has rows the kernels never wrote"
+        torch.testing.assert_close(got.double(), expected.double(), atol=1e-4, rtol=1e-4)
+
+
 def test_strided_cu_seqlens_read_as_their_values(backend, seed):
     """cu_seqlens given as a strided view (every other entry of a longer tensor) mean their values, in the
     forward and the backward (the kernels index a contiguous array: validation passes a copy on)."""
