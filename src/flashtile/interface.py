@@ -126,7 +126,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (through block_table when paged)
             before attention runs.
         cache_seqlens: int or int32 (batch,): tokens already in each sequence's cache; None means every
-            cache is full (capacity tokens) and then k, v must be None.
+            cache is full (capacity tokens) and then k, v must be None. An int (or None) becomes a device
+            tensor at every call; a decode loop that keeps a tensor avoids that allocation.
         block_table: int32 (batch, max_blocks): sequence b's page i is block block_table[b, i] of the cache;
             capacity = max_blocks * page_size.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as in `flash_attn_func`, with sequence
