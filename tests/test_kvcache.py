@@ -255,15 +255,23 @@ def test_validated_layouts_are_reused_and_every_rule_still_holds(monkeypatch):
     assert torch.equal(out, flashtile.flash_attn_with_kvcache(**dict(args, q=strided.contiguous())))
 
 
+class _TaggedTensor(torch.Tensor):
+    """A tensor subclass (what a framework's wrapper tensor looks like to flashtile)."""
+
+
+@pytest.mark.parametrize("subclass", (False, True), ids=("tensor", "tensor-subclass"))
 @pytest.mark.parametrize("num_splits", (1, 3))
-def test_strided_cache_seqlens_and_block_table_read_as_their_values(backend, num_splits, seed):
-    """cache_seqlens and block_table given as strided views mean their values (appending and attending):
-    the kernels index both as contiguous arrays, so validation passes contiguous copies on."""
+def test_strided_cache_seqlens_and_block_table_read_as_their_values(backend, num_splits, subclass, seed):
+    """cache_seqlens and block_table given as strided views (plain tensors or a tensor subclass) mean their
+    values (appending and attending): the kernels index both as contiguous arrays, so validation passes
+    contiguous copies on."""
     args = _call()
     spread_lengths = torch.stack([args["cache_seqlens"], torch.full_like(args["cache_seqlens"], 10**6)], 1)
     table = args["block_table"]
     spread_table = torch.stack([table, torch.full_like(table, 10**6)], dim=2).flatten(1)
     strided = dict(cache_seqlens=spread_lengths[:, 0], block_table=spread_table[:, ::2])
+    if subclass:
+        strided = {name: t.as_subclass(_TaggedTensor) for name, t in strided.items()}
     assert not any(t.is_contiguous() for t in strided.values())
     caches = [(args["k_cache"].clone(), args["v_cache"].clone()) for _ in range(2)]
     with flashtile.use_backend(backend):

@@ -423,7 +423,7 @@ def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
     return PreparedCall(*bshd, alibi_slopes=None, attn_mask=mask, problem=problem), out_shape
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a decode step ~1 us more
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ cost a decode step ~1 us more (CI machine)
 class KVCacheCall:
     """A validated `flash_attn_with_kvcache` call.
 
@@ -520,7 +520,6 @@ class _KVCacheLayout:
     return_lse: bool  # return_softmax_lse
     host_length: int | None  # every sequence's cached length, when cache_seqlens is an int or None
     check_values: bool  # run the rules that read cache_seqlens / block_table (unless capturing)
-    q_copy: bool  # q's last dimension is not unit-stride: the kernels get a contiguous copy
     index_copy: bool  # cache_seqlens or block_table is strided: the kernels, which index them as contiguous
     # arrays, get contiguous copies
     slopes_row: bool  # alibi_slopes came as (nheads,): used as (1, nheads)
@@ -592,7 +591,7 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     if layout.index_copy:
         cache_seqlens = cache_seqlens.contiguous()
         block_table = None if block_table is None else block_table.contiguous()
-    return KVCacheCall(q=q.contiguous() if layout.q_copy else q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
+    return KVCacheCall(q=unit_last_stride(q), k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
                        cache_seqlens=cache_seqlens, block_table=block_table,
                        alibi_slopes=alibi_slopes.unsqueeze(0) if layout.slopes_row else alibi_slopes,
                        layout=layout)
@@ -698,11 +697,10 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
         headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
         window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap, has_alibi=slopes is not None,
         mask_kind=None, kvcache=True)
-    strided_index = any(t is not None and type(t) is torch.Tensor and not t.is_contiguous()
-                        for t in (cache_seqlens, block_table))
+    strided_index = any(isinstance(t, torch.Tensor) and not t.is_contiguous() for t in (cache_seqlens, block_table))
     return _KVCacheLayout(problem=problem, num_splits=int(num_splits), capacity=capacity, num_blocks=num_blocks,
                           page_size=page_size,
                           seqlen_new=seqlen_new, return_lse=return_softmax_lse, host_length=host_length,
                           check_values=wanted and (host_length is None or block_table is not None),
-                          q_copy=q.shape[-1] > 1 and q.stride(-1) != 1, index_copy=strided_index,
+                          index_copy=strided_index,
                           slopes_row=slopes is not None and slopes is not alibi_slopes)

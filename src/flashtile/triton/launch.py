@@ -406,7 +406,6 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
 class _DecodePlan:
     """Everything a KV-cache call's launches take but the tensors, for one validated layout (see decode())."""
 
-    shape: DecodeGeometry
     grid: tuple
     kernel: FixedLaunch  # attention_decode_kernel with its strides, sizes, score scalars and constexprs
     combine_grid: tuple
@@ -414,14 +413,6 @@ class _DecodePlan:
     out_shape: tuple
     lse_shape: tuple | None  # None: the caller did not ask for lse, and the kernels do not store it
     part_floats: tuple[int, int]  # floats of the split partial outputs and of their lse (0, 0 when not split)
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precision: str, slopes_stride: int,
@@ -436,7 +427,7 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
     del flags["MASK_KIND"]  # a KV cache takes no attn_mask
     _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
     out_shape = (batch, seqlen_q, p.nheads, p.headdim_v)
-    out_strides = _contiguous_strides(out_shape)[:3]
+    out_strides = _row_strides(torch.empty(out_shape, device="meta"), 1)  # decode() allocates out contiguous
     rows_padded = shape.row_blocks * shape.block_m
     seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
     store_lse = call.layout.return_lse
@@ -458,7 +449,7 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
                  STORE_LSE=store_lse))
         partial_rows = batch * p.nheads_k * shape.splits * rows_padded
         part_floats = (partial_rows * flags["BLOCK_DV"], partial_rows)
-    return _DecodePlan(shape, (shape.splits, batch * p.nheads_k, shape.row_blocks), kernel,
+    return _DecodePlan((shape.splits, batch * p.nheads_k, shape.row_blocks), kernel,
                        (batch * p.nheads_k, p.group_size * seqlen_q), combine, out_shape,
                        (batch, p.nheads, seqlen_q) if store_lse else None, part_floats)
 

@@ -65,15 +65,9 @@ class FixedLaunch:
     options: dict
 
 
-def _tensor_key(t) -> tuple:
-    if isinstance(t, TensorDescriptor):
-        return t.base.dtype, tuple(t.block_shape)
-    return t.dtype, t.data_ptr() % 16 == 0
-
-
 def _keys_and_arguments(tensors: tuple) -> tuple[tuple, list]:
-    """The key part of each tensor (as _tensor_key) and what the launcher is given for it: a tensor's
-    address as an int, a descriptor as it is."""
+    """The key part of each tensor (a tensor's dtype and 16-byte alignment, a descriptor's dtype and block
+    shape) and what the launcher is given for it: a tensor's address as an int, a descriptor as it is."""
     keys, arguments = [], []
     for t in tensors:
         if isinstance(t, TensorDescriptor):
@@ -91,10 +85,13 @@ def _device() -> int:
     return torch.cuda.current_device()
 
 
+def _value_key(kernel, device: int, tensor_keys: tuple, scalars: tuple, options: dict) -> tuple:
+    return id(kernel), device, tensor_keys, scalars, tuple(map(type, scalars)), tuple(options.items())
+
+
 def launch_key(kernel, tensors: tuple, scalars: tuple, options: dict) -> tuple:
     """The key under which `launch` keeps the compiled kernel for these arguments (see the module docstring)."""
-    return (id(kernel), _device(), tuple(map(_tensor_key, tensors)), scalars, tuple(map(type, scalars)),
-            tuple(options.items()))
+    return _value_key(kernel, _device(), _keys_and_arguments(tensors)[0], scalars, options)
 
 
 def _constexpr_tail(kernel, positional: int, options: dict) -> tuple:
@@ -180,8 +177,7 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, **options) -> No
         return
     device = _device()
     tensor_keys, tensor_arguments = _keys_and_arguments(tensors)
-    key = (id(kernel), device, tensor_keys, scalars, tuple(map(type, scalars)), tuple(options.items()))
-    _launch_keyed(key, kernel, grid, tensors, tensor_arguments, scalars, options, device)
+    _launch_keyed(_value_key(kernel, device, tensor_keys, scalars, options), kernel, grid, tensors, tensor_arguments, scalars, options, device)
 
 
 def launch_fixed(fixed: FixedLaunch, grid: tuple, tensors: tuple) -> None:
