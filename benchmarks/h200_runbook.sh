@@ -35,8 +35,8 @@
 #   bash benchmarks/h200_runbook.sh decodehost # a decode step's host time, a previous tree (gpu-scratch/old/src) against
 #                                             # this one, interleaved (host_overhead.py --quick --decode), then the
 #                                             # decode grid (bench --mode decode, flashtile[triton] and SDPA)
-#   bash benchmarks/h200_runbook.sh page16    # the page-16 decode cells that miss 0.9x SDPA (8 x 128k, 1 x 32k) and
-#                                             # 64 x 32k, under page-16 tiles and split counts (kernels replayed
+#   bash benchmarks/h200_runbook.sh page16    # the page-16 decode cells that missed 0.9x SDPA (8 x 128k, 1 x 32k) and
+#                                             # 64 x 32k, under 16-key tiles and split counts (kernels replayed
 #                                             # from CUDA graphs), then the API call beside SDPA
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
@@ -166,7 +166,7 @@ case $stage in
     tail -30 "$out/decode.txt" ;;
   page16)
     timeout 300 python benchmarks/tune_decode.py --variants --cells 8x131072x16,1x32768x16,64x32768x16 \
-      --tiles 128x4x2,64x4x2,128x4x3,64x4x3 --split-factors 1,2,4 > "$out/page16.txt" 2>&1
+      --tiles 16x2x8,16x1x8,16x2x6,16x4x8 --split-factors 1,2,4 > "$out/page16.txt" 2>&1
     grep -v "^ *$" "$out/page16.txt" ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it

@@ -15,9 +15,9 @@ host time goes: benchmarks/host_overhead.py).
     python benchmarks/tune_decode.py --graphs
     python benchmarks/tune_decode.py --variants --cells 8x131072x16,8x131072x256 \
         --tiles 128x4x2,128x4x3,128x8x2,256x8x2 --split-factors 1,2,3,4,6,8
-(cells: batch x cache length x page size, 0 = contiguous; tiles: keys per block x warps x stages, a
-trailing p = one page lookup per key block where the page size is a multiple of it; split factors
-multiply the split count that two waves of programs would give.)
+(cells: batch x cache length x page size, 0 = contiguous; tiles: keys per block x warps x stages, skipped
+for a paged cell whose page size they do not divide; split factors multiply the split count that two
+waves of programs would give.)
 """
 
 from __future__ import annotations
@@ -39,25 +39,27 @@ from host_overhead import host_ms  # the script beside this one
 CELLS = [(1, 4096, 0), (1, 32768, 0), (1, 131072, 0), (8, 4096, 0), (8, 32768, 0), (8, 131072, 0),
          (64, 4096, 0), (64, 32768, 0), (8, 131072, 16), (8, 131072, 256), (1, 131072, 16)]
 TILES = [launch.DecodeTile(n, w, s, waves=2) for n, w, s in
-         [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3)]]
+         [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3), (16, 2, 8)]]
 SPLIT_FACTORS = (1, 2, 4)
 
 
 def parse_tile(text: str) -> launch.DecodeTile:
-    """BLOCK_NxWARPSxSTAGES, with a trailing 'p' for one page lookup per key block (pages a multiple of BLOCK_N)."""
-    page_per_block = text.endswith("p")
-    block_n, warps, stages = (int(x) for x in text.rstrip("p").split("x"))
-    return launch.DecodeTile(block_n, warps, stages, waves=2, page_per_block=page_per_block)
+    """BLOCK_NxWARPSxSTAGES."""
+    block_n, warps, stages = (int(x) for x in text.split("x"))
+    return launch.DecodeTile(block_n, warps, stages, waves=2)
 
 
 def graph_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
-def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=SPLIT_FACTORS) -> None:
+def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=SPLIT_FACTORS, top: int = 4) -> None:
     auto = launch.decode_geometry(call.problem, call.page_size, 0)
     results = []
+    page = call.page_size
     for tile, factor in ((t, f) for t in tiles for f in split_factors):  # splits: multiples of two waves'
+        if page is not None and page % tile.block_n:
+            continue  # a paged cache's key block must lie in one page
         base = launch.decode_geometry(call.problem, call.page_size, 0, tile)
         if factor > 1 and base.splits == 1 and batch * 8 >= 132:
             continue  # the heuristic's single split already fills the GPU
@@ -71,11 +73,10 @@ def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=S
         results.append((us, geometry))
     results.sort(key=lambda item: item[0])
     default = [(us, g) for us, g in results if g == auto][:1]  # absent when the tiles swept exclude it
-    for us, geometry in results[:4] + default:
+    for us, geometry in results[:top] + default:
         mark = " (default)" if geometry == auto else ""
-        lookup = " one page lookup per block" if geometry.page_per_block else ""
         print(f"    kernel {us:8.1f} us {kv_bytes / us / 1e3:6.0f} GB/s  block_n {geometry.block_n:3d} "
-              f"warps {geometry.num_warps} stages {geometry.num_stages} splits {geometry.splits:3d}{lookup}{mark}",
+              f"warps {geometry.num_warps} stages {geometry.num_stages} splits {geometry.splits:3d}{mark}",
               flush=True)
 
 
@@ -84,9 +85,9 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true", help="sweep decode tiles and split counts")
     parser.add_argument("--graphs", action="store_true", help="API and SDPA replayed from CUDA graphs; host profile")
     parser.add_argument("--cells", default="", help="BATCHxLENGTHxPAGE,... (default: the built-in list)")
-    parser.add_argument("--tiles", default="", help="BLOCK_NxWARPSxSTAGES[p],... for --variants (p: one page lookup "
-                                                    "per key block)")
+    parser.add_argument("--tiles", default="", help="BLOCK_NxWARPSxSTAGES,... for --variants")
     parser.add_argument("--split-factors", default="", help="comma-separated multiples of the two-wave split count")
+    parser.add_argument("--top", type=int, default=4, help="variants printed per cell, fastest first")
     args = parser.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",") if c] or CELLS
     tiles = [parse_tile(t) for t in args.tiles.split(",") if t] or TILES
@@ -122,7 +123,7 @@ def main() -> None:
             line += f"  sdpa {ms_sdpa * 1e3:8.1f} us ({kv_bytes / ms_sdpa / 1e6:6.0f} GB/s)"
         print(line, flush=True)
         if args.variants:
-            sweep_variants(call, batch, kv_bytes, tiles, factors)
+            sweep_variants(call, batch, kv_bytes, tiles, factors, args.top)
         if args.graphs:
             with flashtile.use_backend("triton"):
                 line = f"    from CUDA graphs: flashtile {graph_us(api):8.1f} us"

@@ -127,14 +127,14 @@ def main():
         decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
                        "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
-        # paged bf16 with both page lookups (per key for small pages, per block for pages a multiple of it)
-        for per_block in (False, True) if paged and headdim == 128 else (False,):
-            decode_tile = default_decode_tile((256 if per_block else 16) if paged else None)
+        # paged bf16 with both page tiles (16-key blocks for small pages, 128-key blocks for pages a multiple of 128)
+        for large_pages in (False, True) if paged and headdim == 128 else (False,):
+            decode_tile = default_decode_tile((256 if large_pages else 16) if paged else None)
             results.append(compile_variant(
-                f"decode{' paged' if paged else ''}{' per-block' if per_block else ''}{' split' if split else ''} {tag}",
+                f"decode{' paged' if paged else ''}{' large-pages' if large_pages else ''}{' split' if split else ''} {tag}",
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
-                     PAGE_PER_BLOCK=per_block, SPLIT=split, STORE_LSE=not split),
+                     SPLIT=split, STORE_LSE=not split),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
                                    dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True),

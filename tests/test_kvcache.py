@@ -361,11 +361,11 @@ def test_unchecked_values_never_take_the_kernel_outside_the_cache():
 
 
 @pytest.mark.parametrize("num_splits", (1, 3))
-@pytest.mark.parametrize("page_size", (128, 256))
-def test_one_page_lookup_per_key_block_reads_what_per_key_lookups_read(page_size, num_splits, seed):
-    """Pages a multiple of the decode block (DecodeTile.page_per_block, the default for such pages): bitwise
-    the per-key lookup's result on scattered pages, with a window and lengths that end inside a page, and the
-    oracle's result; unchecked block indices are clamped the same way."""
+@pytest.mark.parametrize("page_size, block_n", ((16, 16), (48, 16), (128, 16), (128, 128), (256, 128)))
+def test_paged_decode_reads_each_key_block_from_its_page(page_size, block_n, num_splits, seed):
+    """A paged cache's key blocks divide its pages and each looks its page up once (DecodeTile): scattered pages,
+    a window, lengths that end inside a page, 16-key blocks walking several pages and 128-key blocks within one,
+    against the oracle; a table entry past every sequence's pages is never followed."""
     from flashtile._validate import prepare_kvcache
     from flashtile.triton import launch
 
@@ -381,18 +381,28 @@ def test_one_page_lookup_per_key_block_reads_what_per_key_lookups_read(page_size
     call = prepare_kvcache(q, k_cache, v_cache, None, None, cache_seqlens, table, softmax_scale=None, causal=True,
                            window_size=(page_size + 7, 0), softcap=0.0, alibi_slopes=None, num_splits=num_splits,
                            return_softmax_lse=True, check_values=False)
-    per_key = launch.DecodeTile(128, 4, 2, waves=2)
-    per_block = launch.DecodeTile(128, 4, 2, waves=2, page_per_block=True)
-    geometries = [launch.decode_geometry(call.problem, page_size, num_splits, tile) for tile in (per_key, per_block)]
-    assert [g.page_per_block for g in geometries] == [False, True]
-    (out_key, lse_key), (out_block, lse_block) = (launch.decode(call, num_splits, g) for g in geometries)
-    assert torch.equal(out_key, out_block) and torch.equal(lse_key, lse_block)
+    geometry = launch.decode_geometry(call.problem, page_size, num_splits, launch.DecodeTile(block_n, 2, 3, waves=2))
+    out, lse = launch.decode(call, num_splits, geometry)
     for b, length in enumerate(lengths):
         keys, values = logical(k_cache, table, b, length), logical(v_cache, table, b, length)
         want, want_lse = flash_attn_reference(q[b:b + 1], keys[None], values[None], causal=True,
                                               window_size=(page_size + 7, 0))
-        torch.testing.assert_close(out_block[b:b + 1].double(), want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lse_block[b:b + 1].double(), want_lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[b:b + 1].double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[b:b + 1].double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_tile_must_divide_the_page_size():
+    from flashtile._validate import prepare_kvcache
+    from flashtile.triton import launch
+
+    k_cache, v_cache, table = make_cache(torch.float32, 48)
+    q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device=DEVICE)
+    call = prepare_kvcache(q, k_cache, v_cache, None, None, 5, table, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
+                           return_softmax_lse=False)
+    with pytest.raises(ValueError, match=r"block_n must divide the cache's page_size .*, got block_n 32 for page_size 48"):
+        launch.decode_geometry(call.problem, 48, 0, launch.DecodeTile(32, 2, 3, waves=2))
+    assert launch.decode_geometry(call.problem, 48, 0, launch.DecodeTile(16, 2, 3, waves=2)).block_n == 16
 
 
 def test_num_splits_must_be_a_non_negative_int():
@@ -415,11 +425,12 @@ def test_explain_names_the_decode_schedule(backend):
 
 
 def test_default_decode_tile_per_cache_layout():
-    """Contiguous caches, pages smaller than a key block (per-key page lookup) and pages a multiple of it (one
-    lookup per block) each get their own measured tile."""
+    """Contiguous caches, pages a multiple of 128 keys and every other page size (multiples of 16) each get their
+    own measured tile, whose key block divides the page."""
     from flashtile.triton import launch
 
     assert launch.default_decode_tile(None) is launch.DECODE_TILE_CONTIGUOUS
-    assert launch.default_decode_tile(16) is launch.DECODE_TILE_PAGED
-    assert launch.default_decode_tile(256) is launch.DECODE_TILE_PAGED_PER_BLOCK
-    assert launch.DECODE_TILE_PAGED_PER_BLOCK.page_per_block and not launch.DECODE_TILE_PAGED.page_per_block
+    assert launch.default_decode_tile(256) is launch.DECODE_TILE_LARGE_PAGES
+    assert launch.default_decode_tile(16) is launch.DECODE_TILE_SMALL_PAGES
+    for page_size in range(16, 1025, 16):
+        assert page_size % launch.default_decode_tile(page_size).block_n == 0

@@ -319,40 +319,38 @@ def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int 
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, the waves of
-    programs the split count aims for, and (paged caches whose page size is a multiple of block_n) whether
-    each block's page is looked up once instead of once per key (the default for such pages, below; the
-    per-key lookup serves pages smaller than a block, so that 16-key pages do not mean 16-key blocks)."""
+    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages and the waves of
+    programs the split count aims for. In a paged cache block_n divides the page size, so that each key block
+    lies in one page, looked up once."""
 
     block_n: int
     num_warps: int
     num_stages: int
     waves: int
-    page_per_block: bool = False
 
 
-# From benchmarks/tune_decode.py on the H200 (bf16, d 128, 32 query heads on 8 K/V heads; raw output in
-# benchmarks/results/raw/2026-11-29-h200-tune-decode.txt, BENCHMARKS.md). A contiguous cache: 64-key
-# blocks, 2 stages (3 stages won at batch 1 but lost 5-18% at batch 8 and 64), about four waves (10
-# splits 3% faster than 5 at 8 x 128k). A paged cache, whose every key looks up its page: 128-key blocks
-# (fewer lookups per byte) and about eight waves (at 8 x 128k, 20 splits of 128-key blocks took 1,065 us,
-# 10 splits 1,194 us; the 17 splits that eight waves give there took 1,154 us in a later run, not yet
-# understood). Pages of 16 keys are read through that per-key lookup. Pages that are a multiple of the
-# 128-key block look their page up once per block, with about two waves: in graph replay (session 5,
-# BENCHMARKS.md) 1,021 us at 8 x 128k page 256 (per-key lookup at its best split: 1,093; contiguous
-# 978), 133 us at 1 x 128k (140; contiguous 130), 262 us at 8 x 32k (291).
+# From benchmarks/tune_decode.py on the H200 (bf16, d 128, 32 query heads on 8 K/V heads, kernels replayed from
+# CUDA graphs; raw output in benchmarks/results/raw/, BENCHMARKS.md). A contiguous cache: 64-key blocks, 2 stages
+# (3 stages won at batch 1 but lost 5-18% at batch 8 and 64), about four waves (10 splits 3% faster than 5 at
+# 8 x 128k). Pages that are a multiple of 128 keys: 128-key blocks, one page lookup per block, about two waves
+# (session 5: 1,021 us at 8 x 128k page 256, contiguous 978). Other pages (every page size is a multiple of 16):
+# 16-key blocks, again one lookup per block, 2 warps and 8 stages so that enough bytes stay in flight, about
+# four waves (session 12, page 16: 8 x 128k 1,008 us, 1 x 32k 41.1, 1 x 128k 131, 64 x 32k 1,998, where the
+# 128-key blocks with a page lookup per key that served these pages until then took 1,169 / 48.8 / 146 / 2,073
+# and the contiguous cache 1,006 / 40.1 / 130 / 1,925; pages of 32 and 64 keys within 3.5% of the best tile
+# measured for them).
 DECODE_TILE_CONTIGUOUS = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
-DECODE_TILE_PAGED = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=8)
-DECODE_TILE_PAGED_PER_BLOCK = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=2, page_per_block=True)
+DECODE_TILE_LARGE_PAGES = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=2)
+DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
 
 
 def default_decode_tile(page_size: int | None) -> DecodeTile:
     """The decode tile for a contiguous cache (page_size None) or a paged one."""
     if page_size is None:
         return DECODE_TILE_CONTIGUOUS
-    if page_size % DECODE_TILE_PAGED_PER_BLOCK.block_n == 0:
-        return DECODE_TILE_PAGED_PER_BLOCK
-    return DECODE_TILE_PAGED
+    if page_size % DECODE_TILE_LARGE_PAGES.block_n == 0:
+        return DECODE_TILE_LARGE_PAGES
+    return DECODE_TILE_SMALL_PAGES
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,22 +372,24 @@ class DecodeGeometry:
     blocks_per_split: int
     num_warps: int
     num_stages: int
-    page_per_block: bool  # a paged cache's page looked up once per key block (see DecodeTile)
 
     def describe(self) -> str:
         merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
-        lookup = "; one page lookup per key block" if self.page_per_block else ""
         return (f"attention_decode_kernel{merge}: {self.row_blocks} x {self.block_m} rows per (batch, K/V head) "
                 f"(query heads of a group x query tokens), {self.block_n}-key blocks, {self.splits} split(s) of "
-                f"up to {self.blocks_per_split} blocks, {self.num_warps} warps, {self.num_stages} stages{lookup}")
+                f"up to {self.blocks_per_split} blocks, {self.num_warps} warps, {self.num_stages} stages")
 
 
 @functools.lru_cache(maxsize=256)
 def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits: int,
                     tile: DecodeTile | None = None) -> DecodeGeometry:
     """The launch shape for a KV-cache problem (problem.seqlen_k is the cache capacity); tile overrides
-    the layout's default. Cached: a decode loop asks for the same geometry at every step."""
+    the layout's default (ValueError if its key block does not divide a paged cache's page size).
+    Cached: a decode loop asks for the same geometry at every step."""
     tile = tile or default_decode_tile(page_size)
+    if page_size is not None and page_size % tile.block_n != 0:
+        raise ValueError(f"a decode tile's block_n must divide the cache's page_size (each key block lies in one "
+                         f"page), got block_n {tile.block_n} for page_size {page_size}")
     rows = problem.group_size * problem.seqlen_q
     block_m = min(64, max(16, _next_power_of_2(rows)))
     row_blocks = _cdiv(rows, block_m)
@@ -397,9 +397,8 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
     splits = num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
                                              _sm_count(problem.device), tile.waves)
     blocks_per_split = _cdiv(key_blocks, max(1, min(splits, key_blocks)))
-    page_per_block = tile.page_per_block and page_size is not None and page_size % tile.block_n == 0
     return DecodeGeometry(block_m, row_blocks, tile.block_n, _cdiv(key_blocks, blocks_per_split),
-                          blocks_per_split, tile.num_warps, tile.num_stages, page_per_block)
+                          blocks_per_split, tile.num_warps, tile.num_stages)
 
 
 @dataclass(frozen=True)
@@ -438,7 +437,7 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
          call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale,
          softcap_out, window_left, window_right),
         dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
-             PAGE_PER_BLOCK=shape.page_per_block, SPLIT=shape.splits > 1, STORE_LSE=store_lse,
+             SPLIT=shape.splits > 1, STORE_LSE=store_lse,
              num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
     combine, part_floats = None, (0, 0)
     if shape.splits > 1:
