@@ -152,7 +152,8 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
     from flashtile.triton.launch import choose_num_splits
 
     assert choose_num_splits(programs=264, key_blocks=2048, sm_count=132) == 1  # batch x heads fill the GPU
-    assert choose_num_splits(programs=64, key_blocks=2048, sm_count=132) == 9  # four waves of 132 SMs
+    assert choose_num_splits(programs=64, key_blocks=2048, sm_count=132) == 8  # four programs per SM, not a few more
+    assert choose_num_splits(programs=64, key_blocks=2048, sm_count=132, waves=2) == 4
     assert choose_num_splits(programs=8, key_blocks=2048, sm_count=132) == 64  # capped
     assert choose_num_splits(programs=1, key_blocks=2048, sm_count=132) == 64  # capped
     assert choose_num_splits(programs=8, key_blocks=12, sm_count=132) == 3  # >= 4 key blocks per split

@@ -309,11 +309,13 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
 
 
 def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4) -> int:
-    """Flash-Decoding's split count: enough programs for about `waves` waves of the GPU, each split
-    keeping at least 4 key blocks (so the merge stays cheap next to the reads), at most 64 splits."""
+    """Flash-Decoding's split count: as many programs as fit in `waves` programs per SM (never a few more:
+    at batch 8 x 8 K/V heads on an H200, 8 splits (512 programs) read the cache 3-7% faster than 9 (576),
+    contiguous and 16-key pages alike), each split keeping at least 4 key blocks (so the merge stays cheap
+    next to the reads), at most 64 splits."""
     if programs >= sm_count:
         return 1
-    wanted = _cdiv(waves * sm_count, max(1, programs))
+    wanted = waves * sm_count // max(1, programs)
     return max(1, min(wanted, key_blocks // 4, 64))
 
 
