@@ -140,6 +140,18 @@ def query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left, win
 
 
 @triton.jit
+def band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left, window_right,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """s with -inf where a key lies outside the band or past the end of the keys (positions as in scores)."""
+    allowed = (k_idx < seqlen_k) & (q_idx < seqlen_q)
+    if HAS_LEFT:
+        allowed = allowed & (k_idx >= q_idx + diagonal_offset - window_left)
+    if HAS_RIGHT:
+        allowed = allowed & (k_idx <= q_idx + diagonal_offset + window_right)
+    return tl.where(allowed, s, float("-inf"))
+
+
+@triton.jit
 def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
            diagonal_offset, window_left, window_right, mask_ptrs,
            MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -163,12 +175,8 @@ def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, sof
         distance = tl.abs(q_idx + diagonal_offset - k_idx).to(tl.float32)
         s = s - slope * distance
     if MASKED:
-        allowed = (k_idx < seqlen_k) & (q_idx < seqlen_q)
-        if HAS_LEFT:
-            allowed = allowed & (k_idx >= q_idx + diagonal_offset - window_left)
-        if HAS_RIGHT:
-            allowed = allowed & (k_idx <= q_idx + diagonal_offset + window_right)
-        s = tl.where(allowed, s, float("-inf"))
+        s = band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left, window_right, HAS_LEFT,
+                      HAS_RIGHT)
     if MASK_KIND != 0:
         in_bounds = (q_idx < seqlen_q) & (k_idx < seqlen_k)
         if MASK_KIND == 1:
