@@ -401,7 +401,8 @@ def test_decode_tile_must_divide_the_page_size():
     call = prepare_kvcache(q, k_cache, v_cache, None, None, 5, table, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
                            return_softmax_lse=False)
-    with pytest.raises(ValueError, match=r"block_n must divide the cache's page_size .*, got block_n 32 for page_size 48"):
+    rule = r"block_n must divide the cache's page_size .*, got block_n 32 for page_size 48"
+    with pytest.raises(ValueError, match=rule):
         launch.decode_geometry(call.problem, 48, 0, launch.DecodeTile(32, 2, 3, waves=2))
     assert launch.decode_geometry(call.problem, 48, 0, launch.DecodeTile(16, 2, 3, waves=2)).block_n == 16
 

@@ -55,6 +55,25 @@ def test_tma_schedules_follow_the_eager_rule(monkeypatch, schedule, scenario, sh
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
 
 
+def test_tma_forward_causal_rows_without_keys_are_empty_not_nan(monkeypatch, seed):
+    """The causal TMA forward masks its edge blocks inside the interior loop (a runtime branch): rows that see
+    no key at all (seqlen_q > seqlen_k, bottom-right causal) must still come out 0 with lse -inf, the others
+    as the oracle says, with a ragged key end and several key blocks per query block."""
+    dtype = torch.float16
+    monkeypatch.setattr(launch, "attention_fwd_kernel", _MustNotLaunch())
+    q, k, v = random_qkv(2, 70, 37, 4, 2, 16, 8, dtype)
+    with flashtile.use_backend("triton", forward_schedule=1, block_m=16, block_n=16):
+        out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    empty = 70 - 37
+    assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+    assert torch.isneginf(lse[:, :, :empty]).all() and lse[:, :, empty:].isfinite().all()
+    ref_out, ref_lse = flash_attn_reference(q, k, v, causal=True)
+    eager_out, eager_lse = flash_attn_reference(q, k, v, causal=True, dtype=dtype)
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    finite = ref_lse.isfinite()
+    assert_close_to_oracle("lse", lse[finite], ref_lse[finite], eager_lse[finite], dtype, seed)
+
+
 def test_masks_and_unaligned_strides_keep_the_pointer_kernel(seed):
     """TMA needs 16-byte aligned strides and takes no attn_mask: those calls run fwd.py's kernel."""
     q = torch.randn(2, 3, 37, 8, device=DEVICE)

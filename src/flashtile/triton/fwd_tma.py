@@ -16,7 +16,9 @@ fwd.py, except that with a band closing on the right (causal) in a dense batch t
 edge share one loop and the edge blocks take the element mask through a runtime branch: as a loop of its
 own the edge started with a copy that waited behind the interior loop's drain, once per program (H200,
 session 12: d = 128 causal forward +5% at 1k keys, +0.5% at 4k; d = 64, whose banded short problems run
-two programs per SM, unchanged). With WARP_SPECIALIZE the compiler splits one key loop into a producer warp issuing the TMA
+two programs per SM, unchanged).
+
+With WARP_SPECIALIZE the compiler splits one key loop into a producer warp issuing the TMA
 copies and consumer warpgroups doing the matmuls and the softmax (`tl.range(..., warp_specialize=True)`);
 its pass rejects a kernel with several loops (triton 3.9, compiled for sm_90: "'scf.for' op operation
 destroyed but still has uses"), so that variant runs a single loop over every visible block and applies
