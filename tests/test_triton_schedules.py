@@ -331,7 +331,7 @@ def test_one_launch_backward_of_packed_sequences_equals_two_launches(monkeypatch
 
 
 @pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
-@pytest.mark.parametrize("scenario", ("plain", "causal-window", "everything"))
+@pytest.mark.parametrize("scenario", ("plain", "causal", "causal-window", "everything"))
 @pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "mqa-long-q"))
 def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatch, one_launch, scenario, shape,
                                                                         seed):
