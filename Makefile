@@ -4,6 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# test processes (pytest-xdist): the CI machine has 2 cores; the suite took 9-13 min in one process, 7 in two
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flashtile-installed
 
@@ -20,7 +22,7 @@ demo: $(STAMP)
 	$(PY) -m flashtile demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
