@@ -177,7 +177,8 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, **options) -> No
         return
     device = _device()
     tensor_keys, tensor_arguments = _keys_and_arguments(tensors)
-    _launch_keyed(_value_key(kernel, device, tensor_keys, scalars, options), kernel, grid, tensors, tensor_arguments, scalars, options, device)
+    _launch_keyed(_value_key(kernel, device, tensor_keys, scalars, options), kernel, grid, tensors, tensor_arguments,
+                  scalars, options, device)
 
 
 def launch_fixed(fixed: FixedLaunch, grid: tuple, tensors: tuple) -> None:
