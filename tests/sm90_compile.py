@@ -88,7 +88,7 @@ def main():
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}{' varlen' if packed else ''}", attention_fwd_tma_kernel,
                 dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal,
-                     VARLEN=packed),
+                     VARLEN=packed, SEPARATE_RAGGED_END=bool(forward.forward_separate_ragged_end)),
                 dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32"),
                 warps, stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,

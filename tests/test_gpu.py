@@ -28,6 +28,10 @@ CASES = {
     # long enough for the Hopper forward schedules of the tile table (TMA; TMA + warp specialization)
     "d128-gqa-long-ragged": ((1, 4100, 4100, 8, 2, 128, 128), {}),
     "d64-causal-long-ragged": ((1, 4500, 4500, 4, 4, 64, 64), {"causal": True}),
+    # short problems' tiles: d = 128 without a band (64-key blocks at most 128 registers), d = 64 with a band
+    # (64 query rows); ragged ends
+    "d128-gqa-short-ragged": ((2, 1000, 1000, 8, 2, 128, 128), {}),
+    "d64-causal-short-ragged": ((2, 1000, 1000, 8, 8, 64, 64), {"causal": True}),
 }
 
 

@@ -74,6 +74,83 @@ def test_tma_forward_causal_rows_without_keys_are_empty_not_nan(monkeypatch, see
     assert_close_to_oracle("lse", lse[finite], ref_lse[finite], eager_lse[finite], dtype, seed)
 
 
+class _RecordingForward:
+    """Wraps the TMA forward kernel and records the keyword arguments of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch_kernel(*args, **kwargs):
+            self.calls.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch_kernel
+
+
+@pytest.mark.parametrize("scenario", ("plain", "window-left-only", "softcap", "alibi"))
+@pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "mqa-long-q"))
+def test_tma_forward_ragged_key_end_in_its_own_loop_or_inside_the_interior_loop(monkeypatch, scenario, shape, seed):
+    """Without a band on the right the keys' ragged end (53, 70 and 37 keys against 16-key blocks) is masked
+    either in a loop of its own (forward_separate_ragged_end=1, the table's choice from 4k keys) or by a
+    runtime branch inside the interior loop (0): both follow the oracle (and agree bit for bit in the interpreter)."""
+    dtype = torch.float16
+    monkeypatch.setattr(launch, "attention_fwd_kernel", _MustNotLaunch())
+    recorder = _RecordingForward(launch.attention_fwd_tma_kernel)
+    monkeypatch.setattr(launch, "attention_fwd_tma_kernel", recorder)
+    kwargs = SCENARIOS[scenario](SHAPES[shape])
+    q, k, v = random_qkv(*SHAPES[shape], dtype)
+    results = []
+    for separate in (0, 1):
+        with flashtile.use_backend("triton", forward_schedule=1, block_m=16, block_n=16,
+                                   forward_separate_ragged_end=separate):
+            results.append(flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs))
+    assert [call["SEPARATE_RAGGED_END"] for call in recorder.calls] == [False, True]
+    ref_out, ref_lse = flash_attn_reference(q, k, v, **kwargs)
+    eager_out, eager_lse = flash_attn_reference(q, k, v, dtype=dtype, **kwargs)
+    for out, lse in results:
+        assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+        assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
+    if INTERPRETED:
+        # the same arithmetic in the same order; compiled for a GPU the two loops get different instruction
+        # schedules and round differently (H200, session 13: 10 of 12 cases not bitwise equal, all at the oracle)
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_forward_register_cap_reaches_the_launch_and_is_reported(monkeypatch):
+    """forward_max_registers becomes Triton's maxnreg launch option (0: none passed) and explain() states it."""
+    recorder = _RecordingForward(launch.attention_fwd_tma_kernel)
+    monkeypatch.setattr(launch, "attention_fwd_tma_kernel", recorder)
+    q, k, v = random_qkv(1, 40, 40, 2, 2, 16, 16, torch.float16)
+    for cap in (0, 128):
+        with flashtile.use_backend("triton", forward_schedule=1, block_m=16, block_n=16, forward_max_registers=cap):
+            flashtile.flash_attn_func(q, k, v)
+            text = str(flashtile.explain(q, k, v))
+        assert ("at most 128 registers" in text) == (cap == 128), text
+    assert "maxnreg" not in recorder.calls[0] and recorder.calls[1]["maxnreg"] == 128
+    # the table's cap belongs to its tile: forcing a forward tile drops it, unless the cap is forced too
+    import dataclasses
+
+    from flashtile._dispatch import BACKENDS
+    from flashtile.triton import configs
+
+    capped = dataclasses.replace(configs.TritonTiles(16, 16, 1, 1, 16, 16, 1, 1), forward_max_registers=128)
+    monkeypatch.setattr(configs, "default_tiles", lambda problem, capability: capped)
+    problem = _table_problem(1024, 128)
+    choose = BACKENDS["triton"].choose_tiles
+    assert choose(problem, {}).forward_max_registers == 128
+    assert choose(problem, {"bwd_block_m": 32}).forward_max_registers == 128
+    assert choose(problem, {"block_n": 32}).forward_max_registers == 0
+    assert choose(problem, {"num_warps": 4, "forward_max_registers": 96}).forward_max_registers == 96
+    assert choose(problem, {"forward_schedule": 2}).forward_max_registers == 0
+    with pytest.raises(ValueError, match="forward_max_registers cannot be combined with forward_schedule=2"):
+        choose(problem, {"forward_schedule": 2, "forward_max_registers": 128})
+    for key, value, rule in (("forward_max_registers", -1, "a positive int"),
+                             ("forward_separate_ragged_end", 2, "0 or 1")):
+        with pytest.raises(ValueError, match=rf"{key} must be {rule}, got {value}"):
+            with flashtile.use_backend("triton", **{key: value}):
+                pass
+
+
 def test_masks_and_unaligned_strides_keep_the_pointer_kernel(seed):
     """TMA needs 16-byte aligned strides and takes no attn_mask: those calls run fwd.py's kernel."""
     q = torch.randn(2, 3, 37, 8, device=DEVICE)
@@ -130,6 +207,17 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     assert default_tiles(base, (9, 0)).block_n == 128
     assert default_tiles(dataclasses.replace(base, window_right=0), (9, 0)).block_n == 128
     assert default_tiles(dataclasses.replace(base, window_left=256, window_right=0), (9, 0)).block_n == 64
+    # short problems: d = 128 without a band takes 64-key blocks capped at 128 registers (two programs per SM),
+    # d = 64 with a band 64 query rows (three per SM); long problems without a band give the ragged key end its
+    # own loop
+    short = default_tiles(dataclasses.replace(base, seqlen_q=1024, seqlen_k=1024), (9, 0))
+    assert (short.block_n, short.num_stages, short.forward_max_registers) == (64, 2, 128), short
+    assert short.forward_separate_ragged_end == 0 and default_tiles(base, (9, 0)).forward_separate_ragged_end == 1
+    short_causal = default_tiles(dataclasses.replace(base, seqlen_k=1024, window_right=0), (9, 0))
+    assert (short_causal.block_n, short_causal.forward_max_registers) == (128, 0), short_causal
+    assert default_tiles(dataclasses.replace(base, window_right=0), (9, 0)).forward_separate_ragged_end == 0
+    assert default_tiles(dataclasses.replace(d64, seqlen_k=1024, window_right=0), (9, 0)).block_m == 64
+    assert default_tiles(dataclasses.replace(d64, window_right=0), (9, 0)).block_m == 128
     assert default_tiles(dataclasses.replace(base, varlen=True), (9, 0)).forward_schedule == 1
     assert default_tiles(dataclasses.replace(base, dtype=torch.float32), (9, 0)).forward_schedule == 0
     assert default_tiles(base, (8, 0)).forward_schedule == 0

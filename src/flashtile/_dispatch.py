@@ -126,8 +126,12 @@ class TritonBackend:
         return f"tensors on {problem.device.type} are not supported"
 
     def check_tile_setting(self, key: str, value: int) -> None:
-        if key in triton_configs.DQ_TILE_KEYS and value == 0:
-            return  # 0: the dQ kernel takes the dK/dV tile transposed (TritonTiles.dq_tile)
+        if key in triton_configs.FLAG_KEYS:
+            if value not in (0, 1):
+                raise ValueError(f"tile setting {key} must be 0 or 1, got {value}")
+            return
+        if key in triton_configs.ZERO_MEANS_DEFAULT and value == 0:
+            return  # 0: the dQ kernel takes the dK/dV tile transposed (TritonTiles.dq_tile); no register cap
         if key.startswith(("block", "bwd_block", "dq_block")) and (value < 16 or value & (value - 1)):
             raise ValueError(f"tile setting {key} must be a power of two >= 16, got {value}")
         schedules = {"forward_schedule": triton_configs.FORWARD_SCHEDULES,
@@ -141,6 +145,13 @@ class TritonBackend:
     def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> triton_configs.TritonTiles:
         capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
         tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), **overrides)
+        forward_tile = {"block_m", "block_n", "num_warps", "num_stages", "forward_schedule"}
+        if forward_tile & overrides.keys() and "forward_max_registers" not in overrides:
+            # the table's register cap belongs to its own forward tile (two programs per SM at that tile)
+            tiles = dataclasses.replace(tiles, forward_max_registers=0)
+        if tiles.forward_schedule == 2 and tiles.forward_max_registers:
+            raise ValueError("tile setting forward_max_registers cannot be combined with forward_schedule=2: "
+                             "warp specialization sets each warp group's registers itself")
         if tiles.backward_one_launch:
             dq_settings = [key for key in triton_configs.DQ_TILE_KEYS if overrides.get(key)]
             if dq_settings:

@@ -40,6 +40,12 @@ class TritonTiles:
     dq_block_m: int = 0
     dq_block_n: int = 0
     dq_num_warps: int = 0
+    # the forward kernel's register cap per thread (ptxas .maxnreg); 0 = the compiler's choice. A cap low enough
+    # lets two programs share an SM, so that one's pipeline fill and drain overlap the other's matmuls
+    forward_max_registers: int = 0
+    # 1: without a band closing on the right, the TMA forward gives the keys' ragged end a loop of its own instead
+    # of masking it inside the interior loop by a runtime branch (a flag, 0 or 1)
+    forward_separate_ragged_end: int = 0
 
     @property
     def dq_tile(self) -> tuple[int, int, int]:
@@ -59,8 +65,9 @@ class TritonTiles:
 
     def describe(self, problem: AttentionProblem) -> str:
         dq_rows, dq_keys, dq_warps = self.dq_tile
+        registers = f", at most {self.forward_max_registers} registers" if self.forward_max_registers else ""
         return (f"forward ({FORWARD_SCHEDULES[self.forward_schedule]}) BLOCK_M {self.block_m} x BLOCK_N "
-                f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages; backward "
+                f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages{registers}; backward "
                 f"({BACKWARD_SCHEDULES[self.backward_schedule]}) BLOCK_M {self.bwd_block_m} x BLOCK_N "
                 f"{self.bwd_block_n}, {self.bwd_num_warps} warps, {self.bwd_num_stages} stages; dQ programs "
                 f"{dq_rows} query rows x {dq_keys} keys, {dq_warps} warps")
@@ -86,6 +93,8 @@ BACKWARD_SCHEDULES = {
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
 DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV tile transposed (TritonTiles.dq_tile)
+ZERO_MEANS_DEFAULT = DQ_TILE_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
+FLAG_KEYS = ("forward_separate_ragged_end",)  # tile settings that are 0 or 1
 
 # Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and
 # dQ grids, keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch a full
@@ -97,6 +106,13 @@ VARLEN_GRID_ROWS = 2048
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _separate_ragged_end(problem: AttentionProblem) -> int:
+    """1 where the TMA forward should give the keys' ragged end its own loop: problems of 4k keys and more without
+    a band (H200, session 13: with the end inside the interior loop, d = 128 non-causal 16k lost 1-2.5% and 4k ~1%,
+    while 1k gained 3%; banded problems keep their right edge inside the loop, +5% at 1k causal, session 12)."""
+    return int(not problem.is_banded and problem.seqlen_k >= 4096)
 
 
 def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
@@ -112,6 +128,10 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       against 390 / 472 with 64; causal +1.6% / +3.4% / +4% at 1k / 4k / 16k), sliding windows 64-key
       blocks; d = 64 takes 64-key blocks (8 warps 368 against 4 warps 355 at 1k, but banded problems
       below 4k keys keep 4 warps: 264-266 against 254 at 1k causal).
+    - Short forwards (session 13): at one program per SM each program's pipeline fill and drain is exposed.
+      d = 128 without a band below 4k keys takes 128 x 64 tiles, 2 stages, at most 128 registers (two
+      programs per SM): 1k non-causal 440 TFLOP/s, 1.34x FA2 (the 128-key tile 406-418); d = 64 banded below
+      4k keys 64 query rows, 4 warps (three per SM): 1k causal 296, 1.38x FA2 (128 rows 266-273).
     - The warp-specialized loop (schedule 2, 128 x 128, 4 warps, 2 stages) is the fastest forward
       measured at d = 128 without a band (450 / 521 / 531 TFLOP/s at 1k / 4k / 16k in session 7), but it
       stays opt-in and warns: under triton 3.6, rerun beside other GPU processes, one of 6 x 10^5 runs
@@ -156,7 +176,12 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             backward = dict(backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
         else:
             backward = dict(backward_schedule=int(hopper_16bit and problem.seqlen_k < 16384))
-        return TritonTiles(128, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule, **backward)
+        # banded problems below 4k keys on Hopper: 64 query rows (106 registers, 57 KB of shared memory, so three
+        # programs share an SM and hide each other's pipeline fill and drain; session 13, 1k causal: 288 / 286
+        # TFLOP/s against 272 / 273 with 128 rows; 4k: 332 / 348 against 359 / 357)
+        block_m = 64 if hopper_forward and banded_short and not problem.varlen else 128
+        return TritonTiles(block_m, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
+                           forward_separate_ragged_end=_separate_ragged_end(problem), **backward)
     if width <= 128:
         if hopper_16bit:
             # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
@@ -172,8 +197,17 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # edge: two edges to mask, not measured with 128) keep 64, and so do masked problems (an attn_mask
             # keeps to the pointer kernel, measured with 64)
             wide_keys = hopper_forward and problem.window_left < 0 and problem.mask_kind is None
+            if wide_keys and not problem.is_banded and not problem.varlen and problem.seqlen_k < 4096:
+                # short problems without a band: 64-key blocks, 2 stages, at most 128 registers (no spills, 98 KB
+                # of shared memory), so that two programs share an SM and one's pipeline fill and drain overlap
+                # the other's matmuls (session 13, 1k: 430 / 432 TFLOP/s against 418 / 415 with the 128-key
+                # tile, one program per SM; 4k: 455 / 481 against 483 / 471; causal 1k lost, 272 / 291 against
+                # 287 / 310)
+                return TritonTiles(128, 64, 8, 2, 64, 128, 8, 3, forward_schedule=forward_schedule,
+                                   backward_schedule=backward_schedule, forward_max_registers=128)
             block_n = 128 if wide_keys else 64
             return TritonTiles(128, block_n, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,
-                               backward_schedule=backward_schedule)
+                               backward_schedule=backward_schedule,
+                               forward_separate_ragged_end=_separate_ragged_end(problem))
         return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=forward_schedule)
     return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)

@@ -12,11 +12,13 @@ The output is stored by pointers (a 128-row tile is written once; the warp-speci
 cannot store through a host descriptor).
 
 Without warp specialization the key loop is split into masked edges and an unmasked interior, as in
-fwd.py, except that with a band closing on the right (causal) in a dense batch the interior and the right
-edge share one loop and the edge blocks take the element mask through a runtime branch: as a loop of its
-own the edge started with a copy that waited behind the interior loop's drain, once per program (H200,
-session 12: d = 128 causal forward +5% at 1k keys, +0.5% at 4k; d = 64, whose banded short problems run
-two programs per SM, unchanged).
+fwd.py, except that in a dense batch the interior and the right edge (a band closing on the right, or the
+keys' ragged end) share one loop and the edge blocks take the element mask through a runtime branch: as a
+loop of its own the edge started with a copy that waited behind the interior loop's drain, once per program
+(H200, session 12: d = 128 causal forward +5% at 1k keys, +0.5% at 4k; session 13, without a band: +3% at 1k,
+d = 128). Long problems without a band (SEPARATE_RAGGED_END, the tile table's choice from 4k keys) keep the
+ragged end in a loop of its own: there the branch in the loop cost 2.5-3% at d = 64 and 1-2% at d = 128 16k.
+The left-edge loop is compiled only where there is a left edge (HAS_LEFT).
 
 With WARP_SPECIALIZE the compiler splits one key loop into a producer warp issuing the TMA
 copies and consumer warpgroups doing the matmuls and the softmax (`tl.range(..., warp_specialize=True)`);
@@ -96,7 +98,7 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                              BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                             MASK_ALL: tl.constexpr, VARLEN: tl.constexpr):
+                             MASK_ALL: tl.constexpr, VARLEN: tl.constexpr, SEPARATE_RAGGED_END: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head); Out points at the entry's row 0, the descriptors'
     rows of this entry start at q_start / k_start (0 in a dense batch, whose entry is the descriptors' batch
     coordinate; a packed batch is batch 1 of the descriptors)."""
@@ -133,20 +135,13 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                                             MASK_ALL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True,
                                             VARLEN)
     else:
-        acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo,
-                                            tl.minimum(full_lo, hi), lo, seqlen_q, seqlen_k, score_scale, softcap_scale,
-                                            softcap_out, slope, diagonal_offset, window_left, window_right, BLOCK_N,
-                                            BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                            DOT_PRECISION, False, VARLEN)
-        if HAS_RIGHT and not VARLEN:
-            # the interior and the right edge in one loop, the edge masked by a runtime branch: as two loops the
-            # edge's first copies would wait behind the interior loop's drain, once per program
-            acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
-                                                full_lo, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,
-                                                softcap_out, slope, diagonal_offset, window_left, window_right,
-                                                BLOCK_N, BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN)
-        else:
+        if HAS_LEFT:
+            acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo,
+                                                tl.minimum(full_lo, hi), lo, seqlen_q, seqlen_k, score_scale,
+                                                softcap_scale, softcap_out, slope, diagonal_offset, window_left,
+                                                window_right, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT,
+                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN)
+        if VARLEN or (SEPARATE_RAGGED_END and not HAS_RIGHT):
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
                                                 full_lo, full_hi, full_hi, seqlen_q, seqlen_k, score_scale,
                                                 softcap_scale, softcap_out, slope, diagonal_offset, window_left,
@@ -156,6 +151,16 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                                                 full_hi, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,
                                                 softcap_out, slope, diagonal_offset, window_left, window_right,
                                                 BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN)
+        else:
+            # the interior and the right edge (the band's or the keys' ragged end) in one loop, the edge masked
+            # by a runtime branch: as two loops the edge's first copies would wait behind the interior loop's
+            # drain, once per program (but the branch in the loop costs long problems without a band 1-2.5%:
+            # SEPARATE_RAGGED_END keeps their ragged end in a loop of its own)
+            acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
+                                                full_lo, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,
+                                                softcap_out, slope, diagonal_offset, window_left, window_right,
+                                                BLOCK_N, BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                                 HAS_ALIBI, DOT_PRECISION, False, VARLEN)
 
     out, lse = finish_rows(acc, l_i, m_i)
@@ -177,6 +182,7 @@ def attention_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr, VARLEN: tl.constexpr,
+    SEPARATE_RAGGED_END: tl.constexpr,
 ):
     tl.static_assert(not (VARLEN and WARP_SPECIALIZE), "packed sequences take the forward without warp specialization")
     pid_m = tl.program_id(0)
@@ -201,11 +207,11 @@ def attention_fwd_tma_kernel(
                                      stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                      diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                                      BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                     DOT_PRECISION, False, MASK_ALL, True)
+                                     DOT_PRECISION, False, MASK_ALL, True, SEPARATE_RAGGED_END)
     else:
         _forward_query_block_tma(pid_m * BLOCK_M, Q, q_desc, k_desc, v_desc, o_ptr, Lse, b, h, hk, q_start, k_start,
                                  slope, stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
                                  stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                                 WARP_SPECIALIZE, MASK_ALL, False)
+                                 WARP_SPECIALIZE, MASK_ALL, False, SEPARATE_RAGGED_END)

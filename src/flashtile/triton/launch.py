@@ -193,6 +193,11 @@ def _outputs(q, problem: AttentionProblem, packed: bool):
     return out, lse
 
 
+def _register_cap(tiles: TritonTiles) -> dict:
+    """Triton's maxnreg launch option for the forward kernels, where the tiles set a cap."""
+    return {"maxnreg": tiles.forward_max_registers} if tiles.forward_max_registers else {}
+
+
 def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TritonTiles,
             cu_seqlens_q=None, cu_seqlens_k=None):
     """Fused forward: returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32.
@@ -226,7 +231,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             (*_row_strides(q, 1), *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
              slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen, **flags)
+            WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen,
+            SEPARATE_RAGGED_END=bool(tiles.forward_separate_ragged_end), **_register_cap(tiles), **flags)
         return out, lse
     launch(
         attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, mask, cu_q, cu_k),
@@ -234,7 +240,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
          lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
          p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        VARLEN=varlen, **flags)
+        VARLEN=varlen, **_register_cap(tiles), **flags)
     return out, lse
 
 
