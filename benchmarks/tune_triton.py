@@ -82,24 +82,26 @@ def main() -> None:
             q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=device, dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3))
             grad = torch.randn_like(q)
-            call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                      softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                                      return_lse=False)
-            default = BACKENDS["triton"].choose_tiles(call.problem, {})
             start = time.perf_counter()
             torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), grad)
             torch.cuda.synchronize()
             print(f"  d{headdim} N{seqlen}: first causal fwd+bwd call (compiles the four kernels unless "
                   f"TRITON_CACHE_DIR holds them) {time.perf_counter() - start:.1f} s", flush=True)
-            candidates = [default]
-            for bm, bn, w, s, schedule in fwd_configs:
-                candidates.append(dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
-                                                      forward_schedule=schedule))
-            for bm, bn, w, s, schedule, dq_m, dq_n, dq_w in bwd_configs:
-                candidates.append(dataclasses.replace(default, bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=w,
-                                                      bwd_num_stages=s, backward_schedule=schedule, dq_block_m=dq_m,
-                                                      dq_block_n=dq_n, dq_num_warps=dq_w))
             for causal in causals:
+                # the table's tiles for this problem (causal and not differ), then each config in their place
+                call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=causal,
+                                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                          return_attn_probs=False, return_lse=False)
+                default = BACKENDS["triton"].choose_tiles(call.problem, {})
+                candidates = [default]
+                for bm, bn, w, s, schedule in fwd_configs:
+                    # the table's register cap belongs to its own forward tile
+                    candidates.append(dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
+                                                          forward_schedule=schedule, forward_max_registers=0))
+                for bm, bn, w, s, schedule, dq_m, dq_n, dq_w in bwd_configs:
+                    candidates.append(dataclasses.replace(default, bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=w,
+                                                          bwd_num_stages=s, backward_schedule=schedule,
+                                                          dq_block_m=dq_m, dq_block_n=dq_n, dq_num_warps=dq_w))
                 for mode in modes:
                     def step(fn):
                         if mode == "fwd":
@@ -132,8 +134,9 @@ def main() -> None:
                             continue
                         ratios = " ".join(f"{rate / r:.2f}x {n}" for n, r in peer_rates.items())
                         dq = f"q{tiles.dq_block_m}x{tiles.dq_block_n}w{tiles.dq_num_warps}" if tiles.dq_block_m else ""
+                        cap = f"r{tiles.forward_max_registers}" if tiles.forward_max_registers else ""
                         print(f"d{headdim} N{seqlen} B{batch} H{heads} causal={int(causal)} {mode:7s} "
-                              f"fwd {tiles.block_m}x{tiles.block_n}w{tiles.num_warps}s{tiles.num_stages}t{tiles.forward_schedule} "
+                              f"fwd {tiles.block_m}x{tiles.block_n}w{tiles.num_warps}s{tiles.num_stages}t{tiles.forward_schedule}{cap} "
                               f"bwd {tiles.bwd_block_m}x{tiles.bwd_block_n}w{tiles.bwd_num_warps}s{tiles.bwd_num_stages}"
                               f"t{tiles.backward_schedule}{dq}: "
                               f"{rate:6.1f} TFLOP/s | peers " + " ".join(f"{n} {r:.0f}" for n, r in peer_rates.items())

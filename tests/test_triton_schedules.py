@@ -127,6 +127,13 @@ def test_forward_register_cap_reaches_the_launch_and_is_reported(monkeypatch):
             text = str(flashtile.explain(q, k, v))
         assert ("at most 128 registers" in text) == (cap == 128), text
     assert "maxnreg" not in recorder.calls[0] and recorder.calls[1]["maxnreg"] == 128
+    # the cap was measured on the TMA forward: a call that takes the pointer kernel (a user mask) runs without it
+    pointer = _RecordingForward(launch.attention_fwd_kernel)
+    monkeypatch.setattr(launch, "attention_fwd_kernel", pointer)
+    mask = torch.rand(40, 40, device=DEVICE) > 0.3
+    with flashtile.use_backend("triton", forward_schedule=1, block_m=16, block_n=16, forward_max_registers=128):
+        flashtile.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
+    assert len(pointer.calls) == 1 and "maxnreg" not in pointer.calls[0]
     # the table's cap belongs to its tile: forcing a forward tile drops it, unless the cap is forced too
     import dataclasses
 

@@ -40,8 +40,8 @@ class TritonTiles:
     dq_block_m: int = 0
     dq_block_n: int = 0
     dq_num_warps: int = 0
-    # the forward kernel's register cap per thread (ptxas .maxnreg); 0 = the compiler's choice. A cap low enough
-    # lets two programs share an SM, so that one's pipeline fill and drain overlap the other's matmuls
+    # the TMA forward's register cap per thread (ptxas .maxnreg); 0 = the compiler's choice. A cap low enough lets
+    # two programs share an SM, so that one's pipeline fill and drain overlap the other's matmuls
     forward_max_registers: int = 0
     # 1: without a band closing on the right, the TMA forward gives the keys' ragged end a loop of its own instead
     # of masking it inside the interior loop by a runtime branch (a flag, 0 or 1)
@@ -110,8 +110,9 @@ def interpreting() -> bool:
 
 def _separate_ragged_end(problem: AttentionProblem) -> int:
     """1 where the TMA forward should give the keys' ragged end its own loop: problems of 4k keys and more without
-    a band (H200, session 13: with the end inside the interior loop, d = 128 non-causal 16k lost 1-2.5% and 4k ~1%,
-    while 1k gained 3%; banded problems keep their right edge inside the loop, +5% at 1k causal, session 12)."""
+    a band (H200, session 13: with the end inside the interior loop, d = 64 non-causal lost 3.3% at 4k and 1.2% at
+    16k, d = 128 1-2% at 16k, while d = 128 1k gained 3%; banded problems keep their right edge inside the loop,
+    +5% at 1k causal, session 12)."""
     return int(not problem.is_banded and problem.seqlen_k >= 4096)
 
 

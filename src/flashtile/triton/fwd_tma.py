@@ -17,7 +17,7 @@ keys' ragged end) share one loop and the edge blocks take the element mask throu
 loop of its own the edge started with a copy that waited behind the interior loop's drain, once per program
 (H200, session 12: d = 128 causal forward +5% at 1k keys, +0.5% at 4k; session 13, without a band: +3% at 1k,
 d = 128). Long problems without a band (SEPARATE_RAGGED_END, the tile table's choice from 4k keys) keep the
-ragged end in a loop of its own: there the branch in the loop cost 2.5-3% at d = 64 and 1-2% at d = 128 16k.
+ragged end in a loop of its own: there the branch in the loop cost 1-3% (d = 64 4k 3.3%, d = 128 16k 1-2%).
 The left-edge loop is compiled only where there is a left edge (HAS_LEFT).
 
 With WARP_SPECIALIZE the compiler splits one key loop into a producer warp issuing the TMA
@@ -155,7 +155,7 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
         else:
             # the interior and the right edge (the band's or the keys' ragged end) in one loop, the edge masked
             # by a runtime branch: as two loops the edge's first copies would wait behind the interior loop's
-            # drain, once per program (but the branch in the loop costs long problems without a band 1-2.5%:
+            # drain, once per program (but the branch in the loop costs long problems without a band 1-3%:
             # SEPARATE_RAGGED_END keeps their ragged end in a loop of its own)
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
                                                 full_lo, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,

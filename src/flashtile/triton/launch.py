@@ -194,7 +194,8 @@ def _outputs(q, problem: AttentionProblem, packed: bool):
 
 
 def _register_cap(tiles: TritonTiles) -> dict:
-    """Triton's maxnreg launch option for the forward kernels, where the tiles set a cap."""
+    """Triton's maxnreg launch option for the TMA forward, where the tiles set a cap (the cap was measured with that
+    kernel; the pointer kernel, which a call reaches when its tensors are not TMA-ready, runs without one)."""
     return {"maxnreg": tiles.forward_max_registers} if tiles.forward_max_registers else {}
 
 
@@ -240,7 +241,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
          lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
          p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        VARLEN=varlen, **_register_cap(tiles), **flags)
+        VARLEN=varlen, **flags)
     return out, lse
 
 
