@@ -27,14 +27,18 @@ class _MustNotLaunch:
 
 
 class _RecordingKernel:
-    """Wraps a kernel and records the USE_TMA flag of every launch."""
+    """Wraps a kernel and records the keyword arguments (constexprs, launch options) of every launch."""
 
     def __init__(self, kernel):
-        self.kernel, self.use_tma = kernel, []
+        self.kernel, self.calls = kernel, []
+
+    @property
+    def use_tma(self) -> list:
+        return [call["USE_TMA"] for call in self.calls]
 
     def __getitem__(self, grid):
         def launch_kernel(*args, **kwargs):
-            self.use_tma.append(kwargs["USE_TMA"])
+            self.calls.append(kwargs)
             return self.kernel[grid](*args, **kwargs)
         return launch_kernel
 
@@ -74,19 +78,6 @@ def test_tma_forward_causal_rows_without_keys_are_empty_not_nan(monkeypatch, see
     assert_close_to_oracle("lse", lse[finite], ref_lse[finite], eager_lse[finite], dtype, seed)
 
 
-class _RecordingForward:
-    """Wraps the TMA forward kernel and records the keyword arguments of every launch."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        def launch_kernel(*args, **kwargs):
-            self.calls.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-        return launch_kernel
-
-
 @pytest.mark.parametrize("scenario", ("plain", "window-left-only", "softcap", "alibi"))
 @pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "mqa-long-q"))
 def test_tma_forward_ragged_key_end_in_its_own_loop_or_inside_the_interior_loop(monkeypatch, scenario, shape, seed):
@@ -95,7 +86,7 @@ def test_tma_forward_ragged_key_end_in_its_own_loop_or_inside_the_interior_loop(
     runtime branch inside the interior loop (0): both follow the oracle (and agree bit for bit in the interpreter)."""
     dtype = torch.float16
     monkeypatch.setattr(launch, "attention_fwd_kernel", _MustNotLaunch())
-    recorder = _RecordingForward(launch.attention_fwd_tma_kernel)
+    recorder = _RecordingKernel(launch.attention_fwd_tma_kernel)
     monkeypatch.setattr(launch, "attention_fwd_tma_kernel", recorder)
     kwargs = SCENARIOS[scenario](SHAPES[shape])
     q, k, v = random_qkv(*SHAPES[shape], dtype)
@@ -118,7 +109,7 @@ def test_tma_forward_ragged_key_end_in_its_own_loop_or_inside_the_interior_loop(
 
 def test_forward_register_cap_reaches_the_launch_and_is_reported(monkeypatch):
     """forward_max_registers becomes Triton's maxnreg launch option (0: none passed) and explain() states it."""
-    recorder = _RecordingForward(launch.attention_fwd_tma_kernel)
+    recorder = _RecordingKernel(launch.attention_fwd_tma_kernel)
     monkeypatch.setattr(launch, "attention_fwd_tma_kernel", recorder)
     q, k, v = random_qkv(1, 40, 40, 2, 2, 16, 16, torch.float16)
     for cap in (0, 128):
@@ -128,13 +119,17 @@ def test_forward_register_cap_reaches_the_launch_and_is_reported(monkeypatch):
         assert ("at most 128 registers" in text) == (cap == 128), text
     assert "maxnreg" not in recorder.calls[0] and recorder.calls[1]["maxnreg"] == 128
     # the cap was measured on the TMA forward: a call that takes the pointer kernel (a user mask) runs without it
-    pointer = _RecordingForward(launch.attention_fwd_kernel)
+    pointer = _RecordingKernel(launch.attention_fwd_kernel)
     monkeypatch.setattr(launch, "attention_fwd_kernel", pointer)
     mask = torch.rand(40, 40, device=DEVICE) > 0.3
     with flashtile.use_backend("triton", forward_schedule=1, block_m=16, block_n=16, forward_max_registers=128):
         flashtile.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
     assert len(pointer.calls) == 1 and "maxnreg" not in pointer.calls[0]
-    # the table's cap belongs to its tile: forcing a forward tile drops it, unless the cap is forced too
+
+
+def test_forced_forward_tile_drops_the_tables_register_cap(monkeypatch):
+    """The table's cap belongs to its tile: forcing a forward tile drops it, unless the cap is forced too; the cap
+    and warp specialization exclude each other; both new settings are validated."""
     import dataclasses
 
     from flashtile._dispatch import BACKENDS

@@ -145,8 +145,8 @@ class TritonBackend:
     def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> triton_configs.TritonTiles:
         capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
         tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), **overrides)
-        forward_tile = {"block_m", "block_n", "num_warps", "num_stages", "forward_schedule"}
-        if forward_tile & overrides.keys() and "forward_max_registers" not in overrides:
+        forced_forward = any(key in overrides for key in triton_configs.FORWARD_TILE_KEYS)
+        if forced_forward and "forward_max_registers" not in overrides:
             # the table's register cap belongs to its own forward tile (two programs per SM at that tile)
             tiles = dataclasses.replace(tiles, forward_max_registers=0)
         if tiles.forward_schedule == 2 and tiles.forward_max_registers:

@@ -93,6 +93,7 @@ BACKWARD_SCHEDULES = {
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
 DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV tile transposed (TritonTiles.dq_tile)
+FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_schedule")  # forced: no table cap
 ZERO_MEANS_DEFAULT = DQ_TILE_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
 FLAG_KEYS = ("forward_separate_ragged_end",)  # tile settings that are 0 or 1
 
