@@ -61,7 +61,11 @@ def main():
         ptr = "*" + dtype
         width = triton.next_power_of_2(headdim)
         flags = dict(HEADDIM=headdim, HEADDIM_V=headdim, BLOCK_D=width, BLOCK_DV=width, HAS_LEFT=False,
-                     HAS_RIGHT=causal, HAS_SOFTCAP=not causal, HAS_ALIBI=causal, DOT_PRECISION="ieee")
+                     HAS_RIGHT=causal, HAS_SOFTCAP=not causal, HAS_ALIBI=causal, DOT_PRECISION="ieee",
+                     SCALE_IN_EXP2=False)
+        # the bf16 d128 causal variants of the TMA forward and the backward as the benchmarks run them: no ALiBi,
+        # the scale inside exp2
+        plain = dict(HAS_ALIBI=False, SCALE_IN_EXP2=True) if dtype == "bf16" and headdim == 128 else {}
         fwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32", "Slopes": "*fp32", "Mask": "*u8",
                     "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
         bwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "dOut": ptr, "Lse": "*fp32", "Delta": "*fp32", "dK": ptr,
@@ -88,7 +92,7 @@ def main():
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}{' varlen' if packed else ''}", attention_fwd_tma_kernel,
                 dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal,
-                     VARLEN=packed, SEPARATE_RAGGED_END=bool(forward.forward_separate_ragged_end)),
+                     VARLEN=packed, SEPARATE_RAGGED_END=bool(forward.forward_separate_ragged_end), **plain),
                 dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32"),
                 warps, stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
@@ -121,10 +125,10 @@ def main():
         results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
                                        attention_bwd_kernel,
                                        dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen,
-                                            USE_TMA=one_launch_tma), bwd_tma_ptrs if one_launch_tma else bwd_ptrs,
-                                       warps, stages))
+                                            USE_TMA=one_launch_tma, **plain),
+                                       bwd_tma_ptrs if one_launch_tma else bwd_ptrs, warps, stages))
         paged, split = dtype == "bf16", causal
-        decode_flags = {key: value for key, value in flags.items() if key != "HEADDIM_V"}
+        decode_flags = {key: value for key, value in flags.items() if key not in ("HEADDIM_V", "SCALE_IN_EXP2")}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
                        "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
         # paged bf16 with both page tiles (16-key blocks for small pages, 128-key blocks for pages a multiple of 128)

@@ -59,6 +59,36 @@ def test_tma_schedules_follow_the_eager_rule(monkeypatch, schedule, scenario, sh
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
 
 
+# score settings and whether the kernels may keep the scores unscaled and scale them inside exp2
+SCALE_CASES = {"positive": (dict(softmax_scale=0.37), True), "negative": (dict(softmax_scale=-0.3), False),
+               "zero": (dict(softmax_scale=0.0), False), "softcap": (dict(softmax_scale=0.37, softcap=3.0), False)}
+
+
+@pytest.mark.parametrize("case", tuple(SCALE_CASES))
+@pytest.mark.parametrize("forward_schedule", (0, 1), ids=("pointer", "tma"))
+def test_the_scale_moves_into_the_exponent_only_where_that_is_exact(monkeypatch, forward_schedule, case, seed):
+    """A positive scale as the scores' only transformation is applied inside exp2 (the row max taken on the raw
+    products, then scaled); a negative scale would flip that max, a zero one make 0 * -inf of the masked keys, and
+    softcap is not a scale: those keep scaled scores. Causal with ragged ends (masked keys in edge tiles): out, lse
+    and gradients within the eager rule, and the flag every forward and backward launch was given."""
+    dtype = torch.float16
+    names = ("attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_kernel", "attention_bwd_dkdv_kernel",
+             "attention_bwd_dq_kernel")
+    recorded = [_RecordingKernel(getattr(launch, name)) for name in names]
+    for name, kernel in zip(names, recorded):
+        monkeypatch.setattr(launch, name, kernel)
+    score_kwargs, in_exponent = SCALE_CASES[case]
+    kwargs = dict(causal=True, **score_kwargs)
+    q, k, v = random_qkv(2, 45, 37, 4, 2, 16, 24, dtype, requires_grad=True)
+    with flashtile.use_backend("triton", forward_schedule=forward_schedule, block_m=16, block_n=16):
+        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
+                                            seed)
+    launches = [call for kernel in recorded for call in kernel.calls]
+    assert len(launches) >= 2 and {call["SCALE_IN_EXP2"] for call in launches} == {in_exponent}
+
+
 def test_tma_forward_causal_rows_without_keys_are_empty_not_nan(monkeypatch, seed):
     """The causal TMA forward masks its edge blocks inside the interior loop (a runtime branch): rows that see
     no key at all (seqlen_q > seqlen_k, bottom-right causal) must still come out 0 with lse -inf, the others

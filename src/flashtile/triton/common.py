@@ -141,13 +141,28 @@ def query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left, win
 
 @triton.jit
 def band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left, window_right,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """s with -inf where a key lies outside the band or past the end of the keys (positions as in scores)."""
-    allowed = (k_idx < seqlen_k) & (q_idx < seqlen_q)
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PER_ROW: tl.constexpr = True):
+    """s with -inf where a key lies outside the band or past the end of the keys, or the query past the end of the
+    queries (positions as in scores).
+
+    PER_ROW folds the bounds per query position first (its last visible key; -1 past the queries' end), so that
+    each element of the tile pays one comparison per band edge: written as three conditions and-ed per element,
+    triton 3.6 gave each its own select (three per element on a causal diagonal tile of the forward; with the fold
+    one, and the d = 128 1k causal forward ran 5% faster on an H200, BENCHMARKS.md session 14). The decode kernel
+    keeps the per-element form: there the fold changed ptxas's register budget (197 -> 168 registers at 128-key
+    page tiles), a third program per SM and a 1.3-wave tail at batch 64 x 8 K/V heads, 18% slower.
+    """
+    if PER_ROW:
+        last_key = tl.where(q_idx < seqlen_q, seqlen_k - 1, -1)
+        if HAS_RIGHT:
+            last_key = tl.minimum(last_key, q_idx + diagonal_offset + window_right)
+        allowed = k_idx <= last_key
+    else:
+        allowed = (k_idx < seqlen_k) & (q_idx < seqlen_q)
+        if HAS_RIGHT:
+            allowed = allowed & (k_idx <= q_idx + diagonal_offset + window_right)
     if HAS_LEFT:
         allowed = allowed & (k_idx >= q_idx + diagonal_offset - window_left)
-    if HAS_RIGHT:
-        allowed = allowed & (k_idx <= q_idx + diagonal_offset + window_right)
     return tl.where(allowed, s, float("-inf"))
 
 
@@ -155,8 +170,13 @@ def band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left,
 def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
            diagonal_offset, window_left, window_right, mask_ptrs,
            MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-           HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr):
+           HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, UNSCALED: tl.constexpr = False,
+           PER_ROW_BAND: tl.constexpr = True):
     """Final scores of a tile in base-2 units from its raw products qk, and tanh(raw / softcap) (for the backward).
+
+    UNSCALED (no softcap, ALiBi or additive mask, and a positive scale; see online_softmax_step) leaves the
+    products unscaled, masked entries -inf: the caller applies score_scale inside its exponent. PER_ROW_BAND
+    chooses band_mask's form (PER_ROW).
 
     The tile may be oriented either way: q_idx and k_idx are the query and key positions as 2-D
     tensors that broadcast to qk's shape (queries as rows: q_idx (M, 1), k_idx (1, N); keys as rows
@@ -170,13 +190,15 @@ def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, sof
         s = t * softcap_out
     else:
         t = qk
-        s = qk * score_scale
+        s = qk if UNSCALED else qk * score_scale
     if HAS_ALIBI:
         distance = tl.abs(q_idx + diagonal_offset - k_idx).to(tl.float32)
         s = s - slope * distance
+    tl.static_assert(not UNSCALED or not (HAS_SOFTCAP or HAS_ALIBI or MASK_KIND == 2),
+                     "unscaled scores only where the scale is the sole transformation")
     if MASKED:
         s = band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left, window_right, HAS_LEFT,
-                      HAS_RIGHT)
+                      HAS_RIGHT, PER_ROW_BAND)
     if MASK_KIND != 0:
         in_bounds = (q_idx < seqlen_q) & (k_idx < seqlen_k)
         if MASK_KIND == 1:
@@ -188,19 +210,29 @@ def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, sof
 
 
 @triton.jit
-def online_softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
-    """Fold one tile of base-2 scores s (M, N) and its values v (N, DV) into (acc, l, m).
+def online_softmax_step(acc, l_i, m_i, s, v, scale, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+    """Fold one tile of scores s (M, N) and its values v (N, DV) into (acc, l, m); m is in base-2 units.
 
+    s is in base-2 units, or with SCALE_IN_EXP2 the unscaled products (scores(..., UNSCALED=True)) that
+    scale (> 0) turns into base-2 units: the row max is then scaled once per row and each element pays one
+    fused multiply-add in the exponent instead of a multiply and a subtraction (the max needs the scaled
+    tile otherwise, so the compiler cannot fuse them). A positive scale keeps the max where it was.
     With a band mask (MASKED) or a user mask a row may have seen only -inf scores so far.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SCALE_IN_EXP2:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED or MASK_KIND != 0:
         # a row that has seen only masked keys keeps max -inf: shift by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_shift = m_new
-    p = tl.exp2(s - m_shift[:, None])
+    if SCALE_IN_EXP2:
+        p = tl.exp2(s * scale - m_shift[:, None])
+    else:
+        p = tl.exp2(s - m_shift[:, None])
     # rescale what was accumulated against the old max (0 on the first visible block)
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)

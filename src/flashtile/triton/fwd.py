@@ -34,7 +34,8 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
                     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    SCALE_IN_EXP2: tl.constexpr):
     # MASKED ranges may run past the keys; the interior range never does, so its loads go unmasked
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -45,10 +46,11 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right,
                       mask_rows + offs_n[None, :] * stride_mask_n,
-                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND)
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2)
         v = load_tile(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
                       key_ok[:, None], offs_dv[None, :] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, MASK_KIND, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, score_scale, MASKED, MASK_KIND, DOT_PRECISION,
+                                            SCALE_IN_EXP2)
     return acc, l_i, m_i
 
 
@@ -61,7 +63,8 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk
                          HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                         HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         SCALE_IN_EXP2: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head): Q, K, V, Out point at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -83,17 +86,17 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk
                                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
-                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT,
-                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
-                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2)
 
     out, lse = finish_rows(acc, l_i, m_i)
     tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
@@ -115,7 +118,7 @@ def attention_fwd_kernel(
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
     pid_m = tl.program_id(0)
@@ -139,11 +142,12 @@ def attention_fwd_kernel(
                                  stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                 DOT_PRECISION)
+                                 DOT_PRECISION, SCALE_IN_EXP2)
     else:
         _forward_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, q_start, k_start, b, h, hk,
                              slope, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om,
                              stride_oh, stride_lse_b, stride_lse_h, stride_mask_b, stride_mask_h, stride_mask_m,
                              stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                              diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
-                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION)
+                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
+                             SCALE_IN_EXP2)

@@ -66,7 +66,7 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                        VARLEN: tl.constexpr):
+                        VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
     """Key blocks [start, end): MASKED 0 none masked, 1 all masked, 2 those from masked_from on (a runtime
     branch, so that interior blocks and the right edge share one pipelined loop)."""
     for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -75,7 +75,7 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right, None,
-                      MASKED == 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, 0)
+                      MASKED == 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, 0, SCALE_IN_EXP2)
         if MASKED == 2:
             if n0 >= masked_from:
                 s = band_mask(s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, diagonal_offset, window_left,
@@ -85,7 +85,8 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_
             # past a packed sequence's last key the copy engine reads the next sequence's rows: their scores
             # are masked, but 0 * inf would still reach the output, so those value rows become zeros
             v = tl.where((offs_n < seqlen_k)[:, None], v, 0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED != 0, 0, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, score_scale, MASKED != 0, 0, DOT_PRECISION,
+                                            SCALE_IN_EXP2)
     return acc, l_i, m_i
 
 
@@ -98,7 +99,8 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                              BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                             MASK_ALL: tl.constexpr, VARLEN: tl.constexpr, SEPARATE_RAGGED_END: tl.constexpr):
+                             MASK_ALL: tl.constexpr, VARLEN: tl.constexpr, SEPARATE_RAGGED_END: tl.constexpr,
+                             SCALE_IN_EXP2: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head); Out points at the entry's row 0, the descriptors'
     rows of this entry start at q_start / k_start (0 in a dense batch, whose entry is the descriptors' batch
     coordinate; a packed batch is batch 1 of the descriptors)."""
@@ -133,25 +135,25 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                                             diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
                                             MASK_ALL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True,
-                                            VARLEN)
+                                            VARLEN, SCALE_IN_EXP2)
     else:
         if HAS_LEFT:
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo,
                                                 tl.minimum(full_lo, hi), lo, seqlen_q, seqlen_k, score_scale,
                                                 softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                                 window_right, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT,
-                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN)
+                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2)
         if VARLEN or (SEPARATE_RAGGED_END and not HAS_RIGHT):
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
                                                 full_lo, full_hi, full_hi, seqlen_q, seqlen_k, score_scale,
                                                 softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                                 window_right, BLOCK_N, BLOCK_D, BLOCK_DV, 0, HAS_LEFT, HAS_RIGHT,
-                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN)
+                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2)
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
                                                 full_hi, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,
                                                 softcap_out, slope, diagonal_offset, window_left, window_right,
                                                 BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN)
+                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2)
         else:
             # the interior and the right edge (the band's or the keys' ragged end) in one loop, the edge masked
             # by a runtime branch: as two loops the edge's first copies would wait behind the interior loop's
@@ -161,7 +163,7 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                                                 full_lo, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,
                                                 softcap_out, slope, diagonal_offset, window_left, window_right,
                                                 BLOCK_N, BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN)
+                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2)
 
     out, lse = finish_rows(acc, l_i, m_i)
     tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
@@ -182,7 +184,7 @@ def attention_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr, VARLEN: tl.constexpr,
-    SEPARATE_RAGGED_END: tl.constexpr,
+    SEPARATE_RAGGED_END: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
 ):
     tl.static_assert(not (VARLEN and WARP_SPECIALIZE), "packed sequences take the forward without warp specialization")
     pid_m = tl.program_id(0)
@@ -207,11 +209,13 @@ def attention_fwd_tma_kernel(
                                      stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                      diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                                      BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                     DOT_PRECISION, False, MASK_ALL, True, SEPARATE_RAGGED_END)
+                                     DOT_PRECISION, False, MASK_ALL, True, SEPARATE_RAGGED_END,
+                                     SCALE_IN_EXP2)
     else:
         _forward_query_block_tma(pid_m * BLOCK_M, Q, q_desc, k_desc, v_desc, o_ptr, Lse, b, h, hk, q_start, k_start,
                                  slope, stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
                                  stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                                 WARP_SPECIALIZE, MASK_ALL, False, SEPARATE_RAGGED_END)
+                                 WARP_SPECIALIZE, MASK_ALL, False, SEPARATE_RAGGED_END,
+                                 SCALE_IN_EXP2)

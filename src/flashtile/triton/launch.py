@@ -74,6 +74,14 @@ def _slopes_arg(q: torch.Tensor, alibi_slopes) -> tuple[torch.Tensor, int]:
     return slopes, 0 if slopes.shape[0] == 1 else slopes.stride(0)
 
 
+def _scale_in_exp2(problem: AttentionProblem, flags: dict) -> bool:
+    """Whether the kernels keep scores unscaled and apply the scale inside the softmax's exponent (one fused
+    multiply-add per score; common.online_softmax_step, bwd.py): where the scale is the scores' only transformation
+    and positive, so that the row max of the unscaled products, scaled, is the max of the scores."""
+    return (problem.softmax_scale > 0 and not flags["HAS_SOFTCAP"] and not flags["HAS_ALIBI"]
+            and flags["MASK_KIND"] != 2)
+
+
 def _score_constants(problem: AttentionProblem, mask_kind: int, precision: str) -> tuple[tuple, dict]:
     """The scalars and constexpr flags that describe scores (mask_kind 0 none, 1 bool, 2 additive; precision
     from _dot_precision, which reads a torch setting that may change between calls)."""
@@ -85,6 +93,7 @@ def _score_constants(problem: AttentionProblem, mask_kind: int, precision: str) 
                  BLOCK_DV=_block_width(problem.headdim_v), HAS_LEFT=problem.window_left >= 0,
                  HAS_RIGHT=problem.window_right >= 0, HAS_SOFTCAP=problem.softcap > 0,
                  HAS_ALIBI=problem.has_alibi, MASK_KIND=mask_kind, DOT_PRECISION=precision)
+    flags["SCALE_IN_EXP2"] = _scale_in_exp2(problem, flags)
     return scalars, flags
 
 
@@ -432,7 +441,9 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
     shape = geometry or decode_geometry(p, call.page_size, num_splits)
     scalars, flags = _score_constants(p, 0, precision)
     flags = _forward_widths(flags)
-    del flags["MASK_KIND"]  # a KV cache takes no attn_mask
+    # a KV cache takes no attn_mask; and the decode kernel keeps its scores scaled and masked per element (see
+    # decode.py: memory-bound, it gains nothing from the fused exponent, and the per-row band cost it 18% at batch 64)
+    del flags["MASK_KIND"], flags["SCALE_IN_EXP2"]
     _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
     out_shape = (batch, seqlen_q, p.nheads, p.headdim_v)
     out_strides = _row_strides(torch.empty(out_shape, device="meta"), 1)  # decode() allocates out contiguous
