@@ -147,8 +147,9 @@ def band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left,
 
     PER_ROW folds the bounds per query position first (its last visible key; -1 past the queries' end), so that
     each element of the tile pays one comparison per band edge: written as three conditions and-ed per element,
-    triton 3.6 gave each its own select (three per element on a causal diagonal tile of the forward; with the fold
-    one, and the d = 128 1k causal forward ran 5% faster on an H200, BENCHMARKS.md session 14). The decode kernel
+    triton 3.6 gave each its own select (three per element on a causal diagonal tile of the forward, one with the
+    fold; with the scale inside the exponent, the d = 128 1k causal forward ran 5% faster on an H200, BENCHMARKS.md
+    session 14). The decode kernel
     keeps the per-element form: there the fold changed ptxas's register budget (197 -> 168 registers at 128-key
     page tiles), a third program per SM and a 1.3-wave tail at batch 64 x 8 K/V heads, 18% slower.
     """

@@ -5,7 +5,10 @@ key/value blocks of its K/V head (grouped-query attention by index arithmetic: h
 head h // group_size, nothing is repeated), and keeps the online softmax in registers: running max
 m (base 2), running sum l and the unnormalised output acc, rescaled by exp2(m_old - m_new) when a
 block raises the max. Normalisation happens once in the epilogue, which writes out and the natural
-log-sum-exp (lse = (m + log2 l) * ln 2; -inf with out = 0 for rows that see no key).
+log-sum-exp (lse = (m + log2 l) * ln 2; -inf with out = 0 for rows that see no key). Where the scale is
+the scores' only transformation and positive (SCALE_IN_EXP2, chosen by the launcher), the scores stay raw
+products: the row max is taken on them and scaled once per row, and the scale goes inside the exponent, one
+fused multiply-add per score (common.online_softmax_step).
 
 The key loop is split into three ranges (see common.key_block_bounds): blocks before the band's
 left edge region and after its right edge pay for the element mask; blocks wholly inside run
