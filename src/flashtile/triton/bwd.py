@@ -35,8 +35,8 @@ derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are const
 import triton
 import triton.language as tl
 
-from .common import (alibi_slope, key_block_bounds, load_tile, program_heads, query_block_bounds, scores,
-                     sequence_bounds)
+from .common import (alibi_slope, exp2_of_scores, key_block_bounds, load_tile, program_heads, query_block_bounds,
+                     scores, sequence_bounds)
 
 
 @triton.jit
@@ -107,9 +107,9 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, Lse, Delta, row_base, st
                           softcap_out, slope, diagonal_offset, window_left, window_right,
                           mask_cols + offs_m[None, :].to(tl.int64) * stride_mask_m,
                           MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2)
-        # unscaled products (SCALE_IN_EXP2): the scale in the exponent, one fused multiply-add per score also in
-        # masked tiles (where the mask's select sits between a separate multiply and the subtraction)
-        p_t = tl.exp2(s_t * score_scale - lse2[None, :]) if SCALE_IN_EXP2 else tl.exp2(s_t - lse2[None, :])
+        # unscaled products (SCALE_IN_EXP2): one fused multiply-add per score also in masked tiles, where the
+        # mask's select would sit between a separate multiply and the subtraction
+        p_t = exp2_of_scores(s_t, lse2[None, :], score_scale, SCALE_IN_EXP2)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -288,7 +288,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, strid
                       softcap_out, slope, diagonal_offset, window_left, window_right,
                       mask_rows + offs_n[None, :] * stride_mask_n,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2)
-        p = tl.exp2(s * score_scale - lse2[:, None]) if SCALE_IN_EXP2 else tl.exp2(s - lse2[:, None])
+        p = exp2_of_scores(s, lse2[:, None], score_scale, SCALE_IN_EXP2)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:

@@ -141,11 +141,11 @@ def query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left, win
 
 @triton.jit
 def band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left, window_right,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PER_ROW: tl.constexpr = True):
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PER_ROW_BAND: tl.constexpr = True):
     """s with -inf where a key lies outside the band or past the end of the keys, or the query past the end of the
     queries (positions as in scores).
 
-    PER_ROW folds the bounds per query position first (its last visible key; -1 past the queries' end), so that
+    PER_ROW_BAND folds the bounds per query position first (its last visible key; -1 past the queries' end), so that
     each element of the tile pays one comparison per band edge: written as three conditions and-ed per element,
     triton 3.6 gave each its own select (three per element on a causal diagonal tile of the forward, one with the
     fold; with the scale inside the exponent, the d = 128 1k causal forward ran 5% faster on an H200, BENCHMARKS.md
@@ -153,7 +153,7 @@ def band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left,
     keeps the per-element form: there the fold changed ptxas's register budget (197 -> 168 registers at 128-key
     page tiles), a third program per SM and a 1.3-wave tail at batch 64 x 8 K/V heads, 18% slower.
     """
-    if PER_ROW:
+    if PER_ROW_BAND:
         last_key = tl.where(q_idx < seqlen_q, seqlen_k - 1, -1)
         if HAS_RIGHT:
             last_key = tl.minimum(last_key, q_idx + diagonal_offset + window_right)
@@ -176,8 +176,8 @@ def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, sof
     """Final scores of a tile in base-2 units from its raw products qk, and tanh(raw / softcap) (for the backward).
 
     UNSCALED (no softcap, ALiBi or additive mask, and a positive scale; see online_softmax_step) leaves the
-    products unscaled, masked entries -inf: the caller applies score_scale inside its exponent. PER_ROW_BAND
-    chooses band_mask's form (PER_ROW).
+    products unscaled, masked entries -inf: the caller applies score_scale inside its exponent (exp2_of_scores).
+    PER_ROW_BAND chooses band_mask's form.
 
     The tile may be oriented either way: q_idx and k_idx are the query and key positions as 2-D
     tensors that broadcast to qk's shape (queries as rows: q_idx (M, 1), k_idx (1, N); keys as rows
@@ -211,29 +211,38 @@ def scores(qk, q_idx, k_idx, seqlen_q, seqlen_k, score_scale, softcap_scale, sof
 
 
 @triton.jit
+def exp2_of_scores(s, shift, scale, SCALE_IN_EXP2: tl.constexpr):
+    """exp2(s - shift) for base-2 scores s, or with SCALE_IN_EXP2 for the unscaled products that scale (> 0) turns
+    into base-2 scores: exp2(s * scale - shift), one fused multiply-add per score instead of a multiply and a
+    subtraction (shift broadcasts to s: the forward's row max, the backward's lse)."""
+    if SCALE_IN_EXP2:
+        p = tl.exp2(s * scale - shift)
+    else:
+        p = tl.exp2(s - shift)
+    return p
+
+
+@triton.jit
 def online_softmax_step(acc, l_i, m_i, s, v, scale, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
     """Fold one tile of scores s (M, N) and its values v (N, DV) into (acc, l, m); m is in base-2 units.
 
     s is in base-2 units, or with SCALE_IN_EXP2 the unscaled products (scores(..., UNSCALED=True)) that
-    scale (> 0) turns into base-2 units: the row max is then scaled once per row and each element pays one
-    fused multiply-add in the exponent instead of a multiply and a subtraction (the max needs the scaled
-    tile otherwise, so the compiler cannot fuse them). A positive scale keeps the max where it was.
+    scale (> 0) turns into base-2 units: the row max is then scaled once per row and the scale goes inside the
+    exponent (exp2_of_scores; with the max taken on the scaled tile the compiler cannot fuse the multiply). A
+    positive scale keeps the max where it was.
     With a band mask (MASKED) or a user mask a row may have seen only -inf scores so far.
     """
+    row_max = tl.max(s, 1)
     if SCALE_IN_EXP2:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        row_max = row_max * scale
+    m_new = tl.maximum(m_i, row_max)
     if MASKED or MASK_KIND != 0:
         # a row that has seen only masked keys keeps max -inf: shift by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_shift = m_new
-    if SCALE_IN_EXP2:
-        p = tl.exp2(s * scale - m_shift[:, None])
-    else:
-        p = tl.exp2(s - m_shift[:, None])
+    p = exp2_of_scores(s, m_shift[:, None], scale, SCALE_IN_EXP2)
     # rescale what was accumulated against the old max (0 on the first visible block)
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
