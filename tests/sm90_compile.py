@@ -107,7 +107,8 @@ def main():
         bwd_tma_ptrs = dict(bwd_ptrs, **{name: f"tensordesc<{dtype}[1,1,{m},{width}]>"
                                          for name in ("q_desc", "k_desc", "v_desc", "do_desc")})
         results.append(compile_variant(f"bwd-dkdv {tag_varlen}", attention_bwd_dkdv_kernel,
-                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen, USE_TMA=False),
+                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen, USE_TMA=False,
+                                            PER_ROW_BAND=not varlen),
                                        bwd_ptrs, warps, stages))
         # the dQ kernel at the table's dQ tile (its own where the table sets one, else the transposed tile),
         # with TMA loads of its key / value tiles where the table's two-launch schedule uses them
@@ -119,13 +120,14 @@ def main():
         dq_label = f"bwd-dq {dq_rows}x{dq_keys}w{dq_warps}{' tma' if dq_tma else ''} {tag_varlen}"
         results.append(compile_variant(dq_label, attention_bwd_dq_kernel,
                                        dict(flags, BLOCK_M=dq_rows, BLOCK_N=dq_keys,
-                                            MASK_KIND=0 if varlen or dq_tma else 2, VARLEN=varlen, USE_TMA=dq_tma),
+                                            MASK_KIND=0 if varlen or dq_tma else 2, VARLEN=varlen, USE_TMA=dq_tma,
+                                            PER_ROW_BAND=not varlen),
                                        dq_ptrs if dq_tma else bwd_ptrs, dq_warps, stages))
         one_launch_tma = not varlen and dtype != "fp32"
         results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
                                        attention_bwd_kernel,
                                        dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen,
-                                            USE_TMA=one_launch_tma, **plain),
+                                            USE_TMA=one_launch_tma, PER_ROW_BAND=not varlen, **plain),
                                        bwd_tma_ptrs if one_launch_tma else bwd_ptrs, warps, stages))
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key not in ("HEADDIM_V", "SCALE_IN_EXP2")}

@@ -39,6 +39,21 @@ class _Request:
     source: str  # where the request came from, for explain()
     tile_overrides: dict[str, Any] = field(default_factory=dict)
 
+    @functools.cached_property
+    def key(self) -> tuple:
+        """The request as a hashable value (overrides as sorted pairs), computed once per request object."""
+        return self.name, self.source, tuple(sorted(self.tile_overrides.items()))
+
+
+_DEFAULT_REQUEST = _Request("auto", "default (auto)")
+
+
+@functools.lru_cache(maxsize=64)
+def _environment_request(value: str) -> _Request:
+    # one request object per value of the variable, so that its key is built once (a decode step reads it every
+    # call); an invalid value raises every time (lru_cache keeps no exceptions)
+    return _Request(_check_name(value.strip().lower(), f"environment variable {ENV_VAR}"), f"{ENV_VAR}={value.strip()}")
+
 
 _context_request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("flashtile_backend", default=None)
 
@@ -221,8 +236,8 @@ def current_request() -> _Request:
         return request
     env = os.environ.get(ENV_VAR)
     if env is not None and env.strip():
-        return _Request(_check_name(env.strip().lower(), f"environment variable {ENV_VAR}"), f"{ENV_VAR}={env.strip()}")
-    return _Request("auto", "default (auto)")
+        return _environment_request(env)
+    return _DEFAULT_REQUEST
 
 
 @contextlib.contextmanager
@@ -303,7 +318,7 @@ def resolve(problem: AttentionProblem) -> tuple[str, tuple[int, ...]]:
 def _resolve_constant(problem_fields: tuple) -> tuple[str, tuple[int, ...]]:
     # plain values in, plain values out: dynamo can treat the call as a constant
     request = current_request()
-    key = (request.name, request.source, tuple(sorted(request.tile_overrides.items())), triton_configs.interpreting())
+    key = (request.key, triton_configs.interpreting())
     return _cached_resolution(problem_fields, key)
 
 

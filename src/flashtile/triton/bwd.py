@@ -84,7 +84,7 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, Lse, Delta, row_base, st
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr):
     # Tiles are transposed (keys as rows, queries as columns) so that P^T and dS^T come out of the
     # matmuls directly and only register tiles of Q and dO get transposed. q_src / do_src are host-side
     # (batch, heads, rows, dim) descriptors with USE_TMA (rows past the sequence read as zeros; b32 / h32
@@ -106,7 +106,7 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, Lse, Delta, row_base, st
         s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, score_scale, softcap_scale,
                           softcap_out, slope, diagonal_offset, window_left, window_right,
                           mask_cols + offs_m[None, :].to(tl.int64) * stride_mask_m,
-                          MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2)
+                          MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2, PER_ROW_BAND)
         # unscaled products (SCALE_IN_EXP2): one fused multiply-add per score also in masked tiles, where the
         # mask's select would sit between a separate multiply and the subtraction
         p_t = exp2_of_scores(s_t, lse2[None, :], score_scale, SCALE_IN_EXP2)
@@ -129,7 +129,8 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
                     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
+                    PER_ROW_BAND: tl.constexpr):
     """dK and dV of keys [n0, n0 + BLOCK_N) of one (batch entry, K/V head); the pointers are at the entry's row 0."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -160,21 +161,21 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2)
+                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b.to(tl.int32), h.to(tl.int32), Lse, Delta, row_base,
                               stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2)
+                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b.to(tl.int32), h.to(tl.int32), Lse, Delta, row_base,
                               stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2)
+                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
     tl.store(dK + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(dK.dtype.element_ty), mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM))
     tl.store(dV + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
@@ -194,7 +195,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                  USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+                  USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr):
     """The dK/dV work of program pid_n of key_programs for (batch entry b, K/V head hk)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
         CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
@@ -215,7 +216,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                             group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                             diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                             BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                            USE_TMA, SCALE_IN_EXP2)
+                            USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
     else:
         _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, Lse, Delta, dk_ptr, dv_ptr,
                         Slopes, Mask, b, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -224,7 +225,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                         group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                         diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                         BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                        USE_TMA, SCALE_IN_EXP2)
+                        USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
 
 
 @triton.jit
@@ -244,7 +245,7 @@ def attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
 ):
     b, hk, _ = program_heads(tl.program_id(1), nheads_k, 1)
     _dkdv_program(tl.program_id(0), tl.num_programs(0), b, hk, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV,
@@ -255,7 +256,7 @@ def attention_bwd_dkdv_kernel(
                   stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k, sm_scale, score_scale,
                   softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                   BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                  VARLEN, USE_TMA, SCALE_IN_EXP2)
+                  VARLEN, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
 
 
 @triton.jit
@@ -266,7 +267,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, strid
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+               USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr):
     # k_src / v_src: host-side (batch, heads, rows, dim) descriptors with USE_TMA (b32 / hk32 the
     # coordinates), else pointers at row 0, where MASKED ranges may run past the keys; the interior range
     # never does, so its loads go unmasked
@@ -287,7 +288,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, strid
         s, t = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right,
                       mask_rows + offs_n[None, :] * stride_mask_n,
-                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2)
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2, PER_ROW_BAND)
         p = exp2_of_scores(s, lse2[:, None], score_scale, SCALE_IN_EXP2)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -307,7 +308,8 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
+                    PER_ROW_BAND: tl.constexpr):
     """dQ of query rows [m0, m0 + BLOCK_M) of one (batch entry, head); the pointers are at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -335,17 +337,17 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2)
+                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                    MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2)
+                    MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2)
+                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
     tl.store(dQ + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))
 
@@ -362,7 +364,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, 
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+                USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr):
     """The dQ work of program pid_m of query_programs for (batch entry b, query head h of K/V head hk)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
         CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
@@ -379,7 +381,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, 
                             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                             score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                             HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2)
+                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
     else:
         _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, k_desc, v_desc, Lse, Delta, dq_ptr, Slopes, Mask,
                         b, h, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
@@ -387,7 +389,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, 
                         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
                         HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2)
+                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
 
 
 @triton.jit
@@ -406,7 +408,7 @@ def attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
 ):
     b, h, hk = program_heads(tl.program_id(1), nheads, group_size)
     _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ,
@@ -416,7 +418,8 @@ def attention_bwd_dq_kernel(
                 stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m,
                 stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset,
                 window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT,
-                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2)
+                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2,
+                PER_ROW_BAND)
 
 
 @triton.jit
@@ -437,7 +440,7 @@ def attention_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
 ):
     """Backward schedule 1: the dK/dV and the dQ programs in one launch, grid (key_programs * nheads_k +
     query_programs * nheads, batch). The first key_programs * nheads_k programs of axis 0 do what
@@ -458,7 +461,7 @@ def attention_bwd_kernel(
                       stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k,
                       sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                       HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2)
+                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
     else:
         # the dQ programs use the transposed tile: BLOCK_N query rows against BLOCK_M keys
         r = pid - dkdv_programs
@@ -471,4 +474,4 @@ def attention_bwd_kernel(
                     stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale,
                     softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                     BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN,
-                    USE_TMA, SCALE_IN_EXP2)
+                    USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)

@@ -296,8 +296,11 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
                        _heads_view(v, dq_keys, block_dv), _heads_view(grad_out, rows, block_dv))
     else:
         descriptors = (q, k, v, grad_out)  # never read
+    # the band mask folded per query row (common.band_mask) only for dense batches: in the packed kernels ptxas
+    # spilled 2-3x more with it (d = 128 dK/dV, 64 x 128: 536 -> 1,652 bytes per thread; triton 3.6, sm_90), and the
+    # packed non-causal dK/dV kernel ran 32% slower on the H200 (BENCHMARKS.md, session 15)
     bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, USE_TMA=use_tma,
-               **flags)
+               PER_ROW_BAND=not varlen, **flags)
     key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), dq_rows))
     if tiles.backward_one_launch and k.shape[1] > 0:
