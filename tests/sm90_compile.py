@@ -136,8 +136,9 @@ def main():
         # paged bf16 with both page tiles (16-key blocks for small pages, 128-key blocks for pages a multiple of 128)
         for large_pages in (False, True) if paged and headdim == 128 else (False,):
             decode_tile = default_decode_tile((256 if large_pages else 16) if paged else None)
+            pages = " large-pages" if large_pages else ""
             results.append(compile_variant(
-                f"decode{' paged' if paged else ''}{' large-pages' if large_pages else ''}{' split' if split else ''} {tag}",
+                f"decode{' paged' if paged else ''}{pages}{' split' if split else ''} {tag}",
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
                      SPLIT=split, STORE_LSE=not split),

@@ -362,7 +362,7 @@ def test_unchecked_values_never_take_the_kernel_outside_the_cache():
 
 
 @pytest.mark.parametrize("num_splits", (1, 3))
-@pytest.mark.parametrize("page_size, block_n", ((16, 16), (48, 16), (128, 16), (128, 128), (256, 128)))
+@pytest.mark.parametrize("page_size, block_n", ((16, 16), (48, 16), (128, 16), (128, 128), (256, 128), (256, 64)))
 def test_paged_decode_reads_each_key_block_from_its_page(page_size, block_n, num_splits, seed):
     """A paged cache's key blocks divide its pages and each looks its page up once (DecodeTile): scattered pages,
     a window, lengths that end inside a page, 16-key blocks walking several pages and 128-key blocks within one,
@@ -427,12 +427,14 @@ def test_explain_names_the_decode_schedule(backend):
 
 
 def test_default_decode_tile_per_cache_layout():
-    """Contiguous caches, pages a multiple of 128 keys and every other page size (multiples of 16) each get their
-    own measured tile, whose key block divides the page."""
+    """Contiguous caches and pages a multiple of 64 keys share one measured tile, every other page size (multiples
+    of 16) gets its own; the key block divides the page."""
     from flashtile.triton import launch
 
-    assert launch.default_decode_tile(None) is launch.DECODE_TILE_CONTIGUOUS
-    assert launch.default_decode_tile(256) is launch.DECODE_TILE_LARGE_PAGES
+    assert launch.default_decode_tile(None) is launch.DECODE_TILE
+    assert launch.default_decode_tile(256) is launch.DECODE_TILE
+    assert launch.default_decode_tile(64) is launch.DECODE_TILE
     assert launch.default_decode_tile(16) is launch.DECODE_TILE_SMALL_PAGES
+    assert launch.default_decode_tile(96) is launch.DECODE_TILE_SMALL_PAGES
     for page_size in range(16, 1025, 16):
         assert page_size % launch.default_decode_tile(page_size).block_n == 0

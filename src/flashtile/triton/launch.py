@@ -353,24 +353,23 @@ class DecodeTile:
 # From benchmarks/tune_decode.py on the H200 (bf16, d 128, 32 query heads on 8 K/V heads, kernels replayed from
 # CUDA graphs; raw output in benchmarks/results/raw/, BENCHMARKS.md). A contiguous cache: 64-key blocks, 2 stages
 # (3 stages won at batch 1 but lost 5-18% at batch 8 and 64), about four waves (10 splits 3% faster than 5 at
-# 8 x 128k). Pages that are a multiple of 128 keys: 128-key blocks, one page lookup per block, about two waves
-# (session 5: 1,021 us at 8 x 128k page 256, contiguous 978). Other pages (every page size is a multiple of 16):
-# 16-key blocks, again one lookup per block, 2 warps and 8 stages so that enough bytes stay in flight, about
-# four waves (session 12, page 16: 8 x 128k 1,008 us, 1 x 32k 41.1, 1 x 128k 131, 64 x 32k 1,998, where the
-# 128-key blocks with a page lookup per key that served these pages until then took 1,169 / 48.8 / 146 / 2,073
-# and the contiguous cache 1,006 / 40.1 / 130 / 1,925; pages of 32 and 64 keys within 4.5% of the best tile
-# measured for them).
-DECODE_TILE_CONTIGUOUS = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
-DECODE_TILE_LARGE_PAGES = DecodeTile(block_n=128, num_warps=4, num_stages=2, waves=2)
+# 8 x 128k). Pages that are a multiple of 64 keys take the same tile, one page lookup per key block (session 15,
+# page 256, against the 128-key blocks at two waves that served pages of a multiple of 128 keys until then:
+# 1 x 4k 9.6 us against 12.8, 8 x 4k 39.5 against 41.5, 1 x 32k 40.7 against 41.9, 1 x 128k 129.8 against 132.5,
+# 8 x 128k 970.6 against 976.0, 64 x 32k 1,914 against 1,915; session 12, page 64 at 8 x 128k: 975 against 1,004
+# for 16-key blocks). Other pages (every page size is a multiple of 16): 16-key blocks, again one lookup per block,
+# 2 warps and 8 stages so that enough bytes stay in flight, about four waves (session 12, page 16: 8 x 128k
+# 1,008 us, 1 x 32k 41.1, 1 x 128k 131, 64 x 32k 1,998, where the 128-key blocks with a page lookup per key that
+# served these pages until then took 1,169 / 48.8 / 146 / 2,073 and the contiguous cache 1,006 / 40.1 / 130 /
+# 1,925; pages of 32 keys within 4.4% of the best tile measured for them).
+DECODE_TILE = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
 DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
 
 
 def default_decode_tile(page_size: int | None) -> DecodeTile:
     """The decode tile for a contiguous cache (page_size None) or a paged one."""
-    if page_size is None:
-        return DECODE_TILE_CONTIGUOUS
-    if page_size % DECODE_TILE_LARGE_PAGES.block_n == 0:
-        return DECODE_TILE_LARGE_PAGES
+    if page_size is None or page_size % DECODE_TILE.block_n == 0:
+        return DECODE_TILE
     return DECODE_TILE_SMALL_PAGES
 
 
