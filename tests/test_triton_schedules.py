@@ -473,27 +473,71 @@ def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatc
     _assert_eager_rule_under_backward_schedule(2 + int(one_launch), q, k, v, kwargs, dtype, seed)
 
 
-@pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
-def test_tma_backward_of_packed_sequences_keeps_pointer_loads(monkeypatch, lengths):
-    """Schedules 2 / 3 on packed sequences: a host-side descriptor spans the whole packed tensor, so a
-    sequence's last tile would read its neighbour's rows; packed batches keep the pointer loads of 0 / 1
-    (bitwise the same gradients), among them sequences without queries or without keys."""
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS[lengths], 4, 2, 16, 24, torch.float32)
-
+def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, kwargs):
     def call():
-        out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+        out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kwargs)
         return out, lse, (q, k, v)
+    return call
 
-    for schedule in (0, 1):
-        pointer = _with_backward_schedule(schedule, call)
-        name = "attention_bwd_kernel" if schedule else "attention_bwd_dq_kernel"
-        recorder = _RecordingKernel(getattr(launch, name))
+
+def _record_backward_kernels(monkeypatch, schedule):
+    """Recorders replacing the kernels that backward schedule `schedule` launches."""
+    names = (("attention_bwd_kernel",) if schedule in (1, 3) else
+             ("attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"))
+    recorders = [_RecordingKernel(getattr(launch, name)) for name in names]
+    for name, recorder in zip(names, recorders):
         monkeypatch.setattr(launch, name, recorder)
-        tma = _with_backward_schedule(2 + schedule, call)
+    return recorders
+
+
+@pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
+@pytest.mark.parametrize("scenario", ("plain", "causal", "everything"))
+@pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
+def test_tma_backward_of_packed_sequences_equals_pointer_loads(monkeypatch, one_launch, scenario, lengths):
+    """Schedules 2 / 3 on packed sequences (among them sequences without queries or without keys): the interior
+    blocks come through descriptors over the whole packed tensor, the edge blocks through masked pointer loads
+    (past a sequence's end a descriptor reads the next sequence's rows); bitwise the gradients of 0 / 1 in the
+    interpreter, within 1e-5 on a GPU (fp32); the TMA path must run."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS[lengths], 4, 2, 16, 24, torch.float32)
+    call = _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, VARLEN_SCENARIOS[scenario](len(LENGTHS[lengths]), 4))
+    pointer = _with_backward_schedule(int(one_launch), call)
+    recorders = _record_backward_kernels(monkeypatch, 2 + int(one_launch))
+    tma = _with_backward_schedule(2 + int(one_launch), call)
+    assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
+    for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
+        if INTERPRETED:
+            assert torch.equal(a, b), f"{what} differs between TMA and pointer loads"
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"{what} differs")
+
+
+@pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
+def test_tma_backward_of_packed_sequences_is_not_reached_by_the_next_sequences_values(monkeypatch, one_launch):
+    """With 16-row / 32-key backward tiles a 40-token sequence has interior blocks (by TMA) and edge blocks that
+    run into the next sequence's rows (by masked pointer loads). inf in the next sequence's q, k, v and output
+    gradient must not reach the first sequence's gradients: finite, and equal to the pointer loads'."""
+    lengths = [(40, 40), (40, 40)]
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(lengths, 2, 2, 16, 16, torch.float16, requires_grad=False)
+    with torch.no_grad():
+        for t in (q, k, v):
+            t[40:43] = float("inf")
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn(80, 2, 16, generator=torch.Generator().manual_seed(2)).to(q)
+    grad_out[40:43] = float("inf")
+    grads = {}
+    for schedule in (int(one_launch), 2 + int(one_launch)):
+        recorders = _record_backward_kernels(monkeypatch, schedule)
+        with flashtile.use_backend("triton", backward_schedule=schedule, bwd_block_m=16, bwd_block_n=32):
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+            grads[schedule] = torch.autograd.grad(out, inputs, grad_out)
         monkeypatch.undo()
-        assert recorder.use_tma == [False], recorder.use_tma
-        for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
-            assert torch.equal(a, b), f"{what} differs (schedule {schedule})"
+        assert all(r.use_tma == [schedule >= 2] for r in recorders), [r.use_tma for r in recorders]
+    for what, a, b in zip(("dq", "dk", "dv"), grads[2 + int(one_launch)], grads[int(one_launch)]):
+        assert torch.isfinite(a[:40]).all(), f"{what} of the first sequence is not finite"
+        if INTERPRETED:
+            assert torch.equal(a[:40], b[:40]), f"{what} of the first sequence differs from pointer loads"
+        else:
+            torch.testing.assert_close(a[:40], b[:40], rtol=0, atol=2e-3, msg=f"{what} of the first sequence")
 
 
 def test_tma_backward_keeps_pointer_loads_where_rows_are_not_16_byte_aligned(monkeypatch):

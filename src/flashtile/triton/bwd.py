@@ -77,24 +77,28 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, CHECK_ROWS: tl.const
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, Lse, Delta, row_base, stride_qm, stride_dom, mask_cols,
+def _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, b32, h32, row0, Lse, Delta, row_base, stride_qm,
+                 stride_dom, mask_cols,
                  stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale,
                  softcap_out, slope, diagonal_offset, window_left, window_right,
                  HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr):
+                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
+                 VARLEN: tl.constexpr):
     # Tiles are transposed (keys as rows, queries as columns) so that P^T and dS^T come out of the
-    # matmuls directly and only register tiles of Q and dO get transposed. q_src / do_src are host-side
-    # (batch, heads, rows, dim) descriptors with USE_TMA (rows past the sequence read as zeros; b32 / h32
-    # the coordinates), else pointers at row 0: MASKED ranges may run past the queries; the interior range
-    # never does, so its loads go unmasked.
+    # matmuls directly and only register tiles of Q and dO get transposed. q_src / do_src are pointers at the
+    # sequence's row 0: MASKED ranges may run past the queries; the interior range never does, so its loads go
+    # unmasked. With USE_TMA the tiles come through q_desc / do_desc instead, host-side (batch, heads, rows, dim)
+    # descriptors (b32, h32 and row0 + m0 the coordinates): in a dense batch everywhere (rows past the sequence
+    # read as zeros), in a packed one (VARLEN) only in the interior range, since past a sequence's end the
+    # descriptor would read the next sequence's rows.
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        if USE_TMA:
-            q_t = tl.trans(q_src.load([b32, h32, m0, 0]).reshape(BLOCK_M, BLOCK_D))
-            do = do_src.load([b32, h32, m0, 0]).reshape(BLOCK_M, BLOCK_DV)
+        if USE_TMA and not (MASKED and VARLEN):
+            q_t = tl.trans(q_desc.load([b32, h32, row0 + m0, 0]).reshape(BLOCK_M, BLOCK_D))
+            do = do_desc.load([b32, h32, row0 + m0, 0]).reshape(BLOCK_M, BLOCK_DV)
         else:
             row_ok = offs_m < seqlen_q
             q_t = load_tile(q_src + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
@@ -130,7 +134,7 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                    PER_ROW_BAND: tl.constexpr):
+                    PER_ROW_BAND: tl.constexpr, VARLEN: tl.constexpr):
     """dK and dV of keys [n0, n0 + BLOCK_N) of one (batch entry, K/V head); the pointers are at the entry's row 0."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -145,37 +149,42 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left,
                                                   window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # descriptor coordinates: a packed batch is the descriptors' one batch entry, its sequence at row q_start
+    tma_b = b.to(tl.int32)
+    if VARLEN:
+        tma_b = tma_b * 0
+    tma_row0 = q_start.to(tl.int32)
     for g in range(0, group_size):
         h = hk * group_size + g
         q_src = Q + h * stride_qh
         do_src = dOut + h * stride_doh
-        if USE_TMA:
-            q_src = q_desc
-            do_src = do_desc
         row_base = b * stride_lse_b + h * stride_lse_h + q_start
         mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[:, None].to(tl.int64) * stride_mask_n
         slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b.to(tl.int32), h.to(tl.int32), Lse, Delta, row_base,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
+                              Delta, row_base,
                               stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b.to(tl.int32), h.to(tl.int32), Lse, Delta, row_base,
+                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
+                              Delta, row_base,
                               stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b.to(tl.int32), h.to(tl.int32), Lse, Delta, row_base,
+                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
+                              Delta, row_base,
                               stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
     tl.store(dK + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(dK.dtype.element_ty), mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM))
     tl.store(dV + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
@@ -216,7 +225,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                             group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                             diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                             BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                            USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                            USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
     else:
         _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, Lse, Delta, dk_ptr, dv_ptr,
                         Slopes, Mask, b, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -225,7 +234,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                         group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                         diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                         BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                        USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                        USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
 
 
 @triton.jit
@@ -260,22 +269,24 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
+def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
+               mask_rows, stride_mask_n,
                offs_m, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                diagonal_offset, window_left, window_right,
                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr):
-    # k_src / v_src: host-side (batch, heads, rows, dim) descriptors with USE_TMA (b32 / hk32 the
-    # coordinates), else pointers at row 0, where MASKED ranges may run past the keys; the interior range
-    # never does, so its loads go unmasked
+               USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
+               VARLEN: tl.constexpr):
+    # k_src / v_src: pointers at the sequence's row 0, where MASKED ranges may run past the keys; the interior
+    # range never does, so its loads go unmasked. With USE_TMA the tiles come through k_desc / v_desc (b32, hk32
+    # and row0 + n0 the coordinates), in a packed batch (VARLEN) only in the interior range (as in _dkdv_blocks)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        if USE_TMA:
-            k_t = tl.trans(k_src.load([b32, hk32, n0, 0]).reshape(BLOCK_N, BLOCK_D))
-            v_t = tl.trans(v_src.load([b32, hk32, n0, 0]).reshape(BLOCK_N, BLOCK_DV))
+        if USE_TMA and not (MASKED and VARLEN):
+            k_t = tl.trans(k_desc.load([b32, hk32, row0 + n0, 0]).reshape(BLOCK_N, BLOCK_D))
+            v_t = tl.trans(v_desc.load([b32, hk32, row0 + n0, 0]).reshape(BLOCK_N, BLOCK_DV))
         else:
             key_ok = offs_n < seqlen_k
             cols = offs_n[None, :].to(tl.int64)
@@ -299,7 +310,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, strid
 
 
 @triton.jit
-def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q_start,
+def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q_start, k_start,
                     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
                     stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
                     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
@@ -309,7 +320,7 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                    PER_ROW_BAND: tl.constexpr):
+                    PER_ROW_BAND: tl.constexpr, VARLEN: tl.constexpr):
     """dQ of query rows [m0, m0 + BLOCK_M) of one (batch entry, head); the pointers are at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -324,30 +335,33 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                                    True)
     k_src = K + hk * stride_kh
     v_src = V + hk * stride_vh
-    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)  # descriptor coordinates
-    if USE_TMA:
-        k_src = k_desc
-        v_src = v_desc
+    # descriptor coordinates: a packed batch is the descriptors' one batch entry, its sequence at row k_start
+    b32, hk32, row0 = b.to(tl.int32), hk.to(tl.int32), k_start.to(tl.int32)
+    if VARLEN:
+        b32 = b32 * 0
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
+                    mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
+                    mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                    MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_kn, stride_vn, mask_rows, stride_mask_n,
+                    MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
+                    mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
     tl.store(dQ + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))
 
@@ -376,20 +390,20 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, 
     if VARLEN:
         for m0 in range(pid_m * BLOCK_M, seqlen_q, query_programs * BLOCK_M):
             _dq_query_block(m0, q_ptr, k_ptr, v_ptr, do_ptr, k_desc, v_desc, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk,
-                            q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
-                            stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
+                            q_start, k_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                            stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
                             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                             score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                             HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
     else:
         _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, k_desc, v_desc, Lse, Delta, dq_ptr, Slopes, Mask,
-                        b, h, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom,
-                        stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
+                        b, h, hk, q_start, k_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                        stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
                         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
                         HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
 
 
 @triton.jit

@@ -284,10 +284,10 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
                                           _row_strides(dv, batch_k))
     stats = (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides)
-    # packed batches keep pointer loads: a host-side descriptor spans the packed tensor, so a sequence's
-    # last tile would read its neighbour's rows where the copy engine should give zeros (zeroing them in the
-    # kernel cost 4.5-11%, session 8)
-    use_tma = tiles.backward_tma and not varlen and _tma_ready((q, k, v, grad_out), attn_mask)
+    # packed batches: a host-side descriptor spans the packed tensor, so past a sequence's end it reads the next
+    # sequence's rows; their kernels take only the interior blocks by TMA and the edge blocks by masked pointer
+    # loads (zeroing the neighbour's rows in the kernel instead cost 4.5-11%, session 8)
+    use_tma = tiles.backward_tma and _tma_ready((q, k, v, grad_out), attn_mask)
     dq_rows, dq_keys, dq_warps = tiles.dq_tile
     if use_tma:
         # the dK/dV programs stream bwd_block_m query rows (q, dO), the dQ programs dq_keys keys (k, v)
