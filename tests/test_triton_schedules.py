@@ -339,8 +339,8 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
     """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128; at d = 64 dense batches take two launches with
     TMA loads and the dQ kernel's own 128 x 64 / 8-warp tile, except banded problems below 4k keys and packed
     batches (one launch below 16k keys); other GPUs and fp32 keep the two launches and their tiles; packed
-    batches at d = 128 take two launches with pointer loads; dense ones at d = 128 load the streamed tiles by
-    TMA at every length."""
+    batches at d = 128 take two launches with TMA loads in their interior blocks; dense ones at d = 128 load the
+    streamed tiles by TMA at every length."""
     import dataclasses
 
     from flashtile.triton.configs import default_tiles
@@ -357,8 +357,8 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
     assert (tiles.backward_schedule, tiles.dq_block_m) == (1, 0)
     assert default_tiles(dataclasses.replace(d64, varlen=True), (9, 0)).backward_schedule == 1
     assert default_tiles(dataclasses.replace(_table_problem(16384, 64), varlen=True), (9, 0)).backward_schedule == 0
-    packed = default_tiles(dataclasses.replace(d128, varlen=True), (9, 0))  # packed batches: two launches
-    assert (packed.backward_schedule, packed.bwd_block_m, packed.bwd_block_n) == (0, 64, 128)
+    packed = default_tiles(dataclasses.replace(d128, varlen=True), (9, 0))  # packed batches: two launches, TMA
+    assert (packed.backward_schedule, packed.bwd_block_m, packed.bwd_block_n) == (2, 64, 128)
     for other, capability in ((d128, (8, 0)), (_table_problem(4096, 128, torch.float32), (9, 0)), (d64, (8, 6))):
         tiles = default_tiles(other, capability)
         assert tiles.backward_schedule == 0 and tiles.bwd_block_m == 32, (other, capability)

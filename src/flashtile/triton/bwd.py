@@ -14,14 +14,15 @@ Three kernels (backward schedule 0; schedule 1 runs 2 and 3 as one launch, atten
 dQ in its own kernel (instead of atomics from the dK/dV kernel) costs two extra matmuls per tile
 but makes every gradient bitwise reproducible.
 
-With USE_TMA (backward schedules 2 and 3, dense batches) the tiles a program streams (Q and dO in dK/dV,
+With USE_TMA (backward schedules 2 and 3) the tiles a program streams (Q and dO in dK/dV,
 K and V in dQ) come from host-side tensor descriptors, (batch, heads, rows, dim) views whose box is one
 head's tile, instead of pointer tiles: the copy engine zero-fills rows past the sequence's end and
 columns past a padded head dim, and the loop keeps no per-element addresses or bounds in registers (on
 an H200, d = 128: +2% to +10% over pointer loads, 0% at 16k causal; BENCHMARKS.md, session 8). The
-arithmetic is the same. Packed batches keep pointer loads: a descriptor over the packed tensor reads the
-next sequence's rows where a sequence ends, and a version that zeroed them measured 4.5-11% slower than
-the pointer loads (session 8, branch prepared/packed-tma-backward).
+arithmetic is the same. In a packed batch a descriptor over the packed tensor reads the next sequence's
+rows where a sequence ends, so there only the interior blocks come by TMA and the edge blocks by masked
+pointer loads (zeroing the neighbour's rows instead measured 4.5-11% slower than pointer loads, session 8;
+the interior by TMA 2-4% faster, session 15).
 
 Packed variable-length batches (VARLEN) work as in fwd.py: batch entry b is sequence b of the
 packed tensors, and each program loops over its sequence's real blocks. The preprocess kernel needs

@@ -86,9 +86,11 @@ BACKWARD_SCHEDULES = {
     0: "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel",
     1: "attention_bwd_kernel, the dK/dV and dQ programs in one launch",
     2: ("attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel, streamed tiles loaded through host-side TMA "
-        "descriptors when strides are 16-byte aligned, the batch is dense and there is no attn_mask"),
+        "descriptors when strides are 16-byte aligned and there is no attn_mask (packed batches: the interior "
+        "blocks; their edge blocks by pointer loads)"),
     3: ("attention_bwd_kernel, the dK/dV and dQ programs in one launch, streamed tiles loaded through host-side "
-        "TMA descriptors when strides are 16-byte aligned, the batch is dense and there is no attn_mask"),
+        "TMA descriptors when strides are 16-byte aligned and there is no attn_mask (packed batches: the interior "
+        "blocks; their edge blocks by pointer loads)"),
 }
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
@@ -191,9 +193,10 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # the packed causal one-launch kernel's dK/dV loop spills 2.5x more than the dense one's: a lead).
             # Dense batches take TMA loads at every length (host-side descriptors, session 8, backward against
             # the pointer loads in the same run: +6% / +2% at 1k non-causal / causal, +8% / +7% at 4k, +10% / 0%
-            # at 16k); packed batches lost with TMA (fwd+bwd 0.84x against 0.89x the dense rate, causal; 0.88x
-            # against 0.90x non-causal, session 6), so they keep the pointer loads
-            backward_schedule = 0 if problem.varlen else 3
+            # at 16k); packed batches take them in their interior blocks (session 15, fwd+bwd of 64 log-uniform
+            # lengths up to 8k: 0.91x / 0.92x the dense rate against 0.87x / 0.89x with pointer loads and 0.91x /
+            # 0.85x in one launch)
+            backward_schedule = 2 if problem.varlen else 3
             # the TMA forward: 128-key blocks (session 7, non-causal: 403 / 487 TFLOP/s at 1k / 4k against 390 /
             # 472 with 64-key blocks; session 8, causal: 288 / 429 against 286 / 416); sliding windows (a left
             # edge: two edges to mask, not measured with 128) keep 64, and so do masked problems (an attn_mask
