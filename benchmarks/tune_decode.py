@@ -17,7 +17,7 @@ host time goes: benchmarks/host_overhead.py).
         --tiles 128x4x2,128x4x3,128x8x2,256x8x2 --split-factors 1,2,3,4,6,8
 (cells: batch x cache length x page size, 0 = contiguous; tiles: keys per block x warps x stages, skipped
 for a paged cell whose page size they do not divide; split factors multiply the split count that two
-waves of programs would give.)
+waves of programs would give; --splits 40,49,64 times those split counts instead.)
 """
 
 from __future__ import annotations
@@ -53,17 +53,20 @@ def graph_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
-def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=SPLIT_FACTORS, top: int = 4) -> None:
+def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=SPLIT_FACTORS, top: int = 4,
+                   splits=()) -> None:
     auto = launch.decode_geometry(call.problem, call.page_size, 0)
     results = []
     page = call.page_size
-    for tile, factor in ((t, f) for t in tiles for f in split_factors):  # splits: multiples of two waves'
+    # split counts: the given ones, else multiples of two waves'
+    counts = [(t, None, n) for t in tiles for n in splits] or [(t, f, None) for t in tiles for f in split_factors]
+    for tile, factor, count in counts:
         if page is not None and page % tile.block_n:
             continue  # a paged cache's key block must lie in one page
         base = launch.decode_geometry(call.problem, call.page_size, 0, tile)
-        if factor > 1 and base.splits == 1 and batch * 8 >= 132:
+        if count is None and factor > 1 and base.splits == 1 and batch * 8 >= 132:
             continue  # the heuristic's single split already fills the GPU
-        geometry = launch.decode_geometry(call.problem, call.page_size, base.splits * factor, tile)
+        geometry = launch.decode_geometry(call.problem, call.page_size, count or base.splits * factor, tile)
         try:
             launch.decode(call, 0, geometry)
             us = graph_us(lambda: launch.decode(call, 0, geometry))
@@ -87,11 +90,13 @@ def main() -> None:
     parser.add_argument("--cells", default="", help="BATCHxLENGTHxPAGE,... (default: the built-in list)")
     parser.add_argument("--tiles", default="", help="BLOCK_NxWARPSxSTAGES,... for --variants")
     parser.add_argument("--split-factors", default="", help="comma-separated multiples of the two-wave split count")
+    parser.add_argument("--splits", default="", help="comma-separated split counts (instead of --split-factors)")
     parser.add_argument("--top", type=int, default=4, help="variants printed per cell, fastest first")
     args = parser.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",") if c] or CELLS
     tiles = [parse_tile(t) for t in args.tiles.split(",") if t] or TILES
     factors = tuple(int(f) for f in args.split_factors.split(",") if f) or SPLIT_FACTORS
+    splits = tuple(int(n) for n in args.splits.split(",") if n)
     device, dtype = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}; "
           "32 query heads / 8 K/V heads, d 128, bf16")
@@ -123,7 +128,7 @@ def main() -> None:
             line += f"  sdpa {ms_sdpa * 1e3:8.1f} us ({kv_bytes / ms_sdpa / 1e6:6.0f} GB/s)"
         print(line, flush=True)
         if args.variants:
-            sweep_variants(call, batch, kv_bytes, tiles, factors, args.top)
+            sweep_variants(call, batch, kv_bytes, tiles, factors, args.top, splits)
         if args.graphs:
             with flashtile.use_backend("triton"):
                 line = f"    from CUDA graphs: flashtile {graph_us(api):8.1f} us"
