@@ -79,9 +79,8 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, CHECK_ROWS: tl.const
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, b32, h32, row0, Lse, Delta, row_base, stride_qm,
-                 stride_dom, mask_cols,
-                 stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, score_scale, softcap_scale,
-                 softcap_out, slope, diagonal_offset, window_left, window_right,
+                 stride_dom, mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, start, end, seqlen_q, seqlen_k,
+                 score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right,
                  HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -163,24 +162,21 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
         mask_cols = Mask + b * stride_mask_b + h * stride_mask_h + offs_n[:, None].to(tl.int64) * stride_mask_n
         slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
-                              Delta, row_base,
-                              stride_qm, stride_dom,
+                              Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, lo, tl.minimum(full_lo, hi),
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
                               USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
-                              Delta, row_base,
-                              stride_qm, stride_dom,
+                              Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
                               USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
-                              Delta, row_base,
-                              stride_qm, stride_dom,
+                              Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
