@@ -467,6 +467,8 @@ def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatc
         monkeypatch.setattr(launch, name, recorder)
     tma = _with_backward_schedule(2 + int(one_launch), call)
     assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
+    # dense batches fold the band mask per query row (the packed kernels keep the per-element form: test below)
+    assert all(options["PER_ROW_BAND"] for r in recorders for options in r.calls)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
         if INTERPRETED:
             assert torch.equal(a, b), f"{name} differs between TMA and pointer loads"
@@ -504,6 +506,8 @@ def test_tma_backward_of_packed_sequences_equals_pointer_loads(monkeypatch, one_
     recorders = _record_backward_kernels(monkeypatch, 2 + int(one_launch))
     tma = _with_backward_schedule(2 + int(one_launch), call)
     assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
+    # the per-row band fold tripled the packed dK/dV kernel's spills (BENCHMARKS.md, session 15)
+    assert not any(options["PER_ROW_BAND"] for r in recorders for options in r.calls)
     for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
         if INTERPRETED:
             assert torch.equal(a, b), f"{what} differs between TMA and pointer loads"
