@@ -38,6 +38,10 @@
 #   bash benchmarks/h200_runbook.sh page16    # the page-16 decode cells that missed 0.9x SDPA (8 x 128k, 1 x 32k) and
 #                                             # 64 x 32k, under 16-key tiles and split counts (kernels replayed
 #                                             # from CUDA graphs), then the API call beside SDPA
+#   bash benchmarks/h200_runbook.sh batch1    # the batch-1 decode kernel under explicit split counts and 2 / 3 stages
+#                                             # (1 x 128k is 0.2-0.7% under 3.8 TB/s, fifteenth session)
+#   bash benchmarks/h200_runbook.sh packedd64 # with branch prepared/packed-d64-forward-register-cap checked out: the
+#                                             # packed d = 64 batch against the dense rate, then its GPU tests
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
@@ -168,6 +172,19 @@ case $stage in
     timeout 300 python benchmarks/tune_decode.py --variants --cells 8x131072x16,1x32768x16,64x32768x16 \
       --tiles 16x2x8,16x1x8,16x2x6,16x4x8 --split-factors 1,2,4 > "$out/page16.txt" 2>&1
     grep -v "^ *$" "$out/page16.txt" ;;
+  batch1)
+    # the batch-1 decode kernel, 2.7% behind SDPA's at 1 x 128k (fifteenth session): explicit split counts around
+    # one wave of three programs per SM (3 x 132 / 8 = 49), 2 and 3 stages, contiguous and paged
+    timeout 300 python benchmarks/tune_decode.py --variants --cells 1x131072x0,1x131072x256,1x131072x16,1x32768x0,1x4096x16 \
+      --tiles 64x4x2,64x4x3,16x2x8 --splits 16,33,40,49,56,64,66 --top 8 > "$out/batch1.txt" 2>&1
+    grep -v "^ *$" "$out/batch1.txt" ;;
+  packedd64)
+    # branch prepared/packed-d64-forward-register-cap checked out: the packed d = 64 forward capped at 128
+    # registers (two programs per SM), against the dense rate, then its GPU tests
+    timeout 150 python benchmarks/varlen_vs_dense.py --skip-padded --headdim 64 --heads 32 > "$out/packed-d64.txt" 2>&1
+    grep "dense\|varlen" "$out/packed-d64.txt" | cut -c1-160
+    FLASHTILE_TEST_DEVICE=cuda timeout 200 python -m pytest -q -n 16 -p no:cacheprovider tests/test_varlen.py \
+      tests/test_triton_schedules.py 2>&1 | tail -2 ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \
