@@ -10,7 +10,8 @@ Rows (median of triton.testing.do_bench, forward and forward+backward, causal an
 The issue's bar: varlen >= 0.9x dense, and faster than padded.
 With --bwd-tiles (backward configs in tune_triton.py's syntax, e.g. 32x64w4s3t1) it then times the varlen
 forward+backward under each of them, beside the dense rate measured above with the table's tiles; with
---fwd-tiles (forward configs, e.g. 128x128w8s3) the varlen forward likewise.
+--fwd-tiles (forward configs, e.g. 128x128w8s3) the varlen forward likewise (--fwd-max-registers 128: under a
+register cap).
 With --hints (comma-separated max_seqlen values, e.g. 2048,4096) it times the varlen forward and forward+
 backward with that max_seqlen hint instead of the longest length: the grids then cover fewer blocks per
 sequence and the programs of longer sequences loop (fewer programs that exit at once, longer ones in the tail).
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--bwd-tiles", default="", help="comma-separated backward configs to time varlen under")
     parser.add_argument("--fwd-tiles", default="", help="comma-separated forward configs to time varlen under")
+    parser.add_argument("--fwd-max-registers", type=int, default=0,
+                        help="with --fwd-tiles: the TMA forward's register cap (forward_max_registers; 0 = none)")
     parser.add_argument("--skip-padded", action="store_true", help="leave out the (slow) padded rows")
     parser.add_argument("--equal-lengths", action="store_true", help="every sequence of the draw's mean length")
     parser.add_argument("--hints", default="", help="comma-separated max_seqlen hints to time varlen under")
@@ -113,11 +116,13 @@ def main() -> None:
         fn, inputs, g, flops = cases["varlen"]
         for text in filter(None, args.fwd_tiles.split(",")):
             m, n, warps, stages, _ = parse_config(text)
-            with flashtile.use_backend("triton", block_m=m, block_n=n, num_warps=warps, num_stages=stages):
+            with flashtile.use_backend("triton", block_m=m, block_n=n, num_warps=warps, num_stages=stages,
+                                       forward_max_registers=args.fwd_max_registers):
                 with torch.no_grad():
                     ms = bench(fn)
             rate = flops / ms / 1e9
-            print(f"causal={int(causal)} fwd     varlen forward {text:13s} {ms:8.3f} ms {rate:6.1f} TFLOP/s, "
+            cap = f" cap {args.fwd_max_registers}" if args.fwd_max_registers else ""
+            print(f"causal={int(causal)} fwd     varlen forward {text:13s}{cap} {ms:8.3f} ms {rate:6.1f} TFLOP/s, "
                   f"{rate / rates['dense', 'fwd']:.2f}x dense", flush=True)
         for text in filter(None, args.bwd_tiles.split(",")):
             m, n, warps, stages, schedule = parse_config(text)
