@@ -41,8 +41,8 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
             "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared}
 
 
-def table_tiles(dtype: str, headdim: int, causal: bool = False):
-    """The tile table's sm_90 choice for a 4k-token call of this dtype and head dim."""
+def table_tiles(dtype: str, headdim: int, causal: bool = False, varlen: bool = False):
+    """The tile table's sm_90 choice for a 4k-token call of this dtype and head dim (a packed batch with varlen)."""
     import torch
 
     problem = AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=4096, seqlen_k=4096, headdim=headdim,
@@ -51,7 +51,7 @@ def table_tiles(dtype: str, headdim: int, causal: bool = False):
                                device=torch.device("cpu"), softmax_scale=0.1, window_left=-1,
                                window_right=0 if causal else -1,
                                diagonal_offset=0, alignment="bottom-right", softcap=0.0, has_alibi=False,
-                               mask_kind=None)
+                               mask_kind=None, varlen=varlen)
     return default_tiles(problem, (9, 0))
 
 
@@ -98,42 +98,44 @@ def main():
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))
-        # the backward at the table's tiles for this dtype and head dim;
-        # the two-launch kernels with pointer loads, the one-launch kernel with TMA loads where the batch is dense
-        t = table_tiles(dtype, headdim)
+        # the backward at the table's tiles for this dtype and head dim (the packed table in the varlen variants);
+        # the two-launch kernels with TMA loads where the table's schedule takes them (packed batches: in their
+        # interior blocks), the one-launch kernel with TMA loads where the batch is dense
+        t = table_tiles(dtype, headdim, varlen=varlen)
+        two_launch_tma = t.backward_tma and not t.backward_one_launch
         m, n, warps, stages = t.bwd_block_m, t.bwd_block_n, t.bwd_num_warps, t.bwd_num_stages
         # the descriptor arguments: pointers (never read) without TMA, host-side 4-D views of bwd_block_m rows with it
         bwd_ptrs.update(q_desc=ptr, k_desc=ptr, v_desc=ptr, do_desc=ptr)
         bwd_tma_ptrs = dict(bwd_ptrs, **{name: f"tensordesc<{dtype}[1,1,{m},{width}]>"
                                          for name in ("q_desc", "k_desc", "v_desc", "do_desc")})
-        results.append(compile_variant(f"bwd-dkdv {tag_varlen}", attention_bwd_dkdv_kernel,
-                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen, USE_TMA=False,
-                                            PER_ROW_BAND=not varlen),
-                                       bwd_ptrs, warps, stages))
+        results.append(compile_variant(f"bwd-dkdv{' tma' if two_launch_tma else ''} {tag_varlen}",
+                                       attention_bwd_dkdv_kernel,
+                                       dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen,
+                                            USE_TMA=two_launch_tma),
+                                       bwd_tma_ptrs if two_launch_tma else bwd_ptrs, warps, stages))
         # the dQ kernel at the table's dQ tile (its own where the table sets one, else the transposed tile),
         # with TMA loads of its key / value tiles where the table's two-launch schedule uses them
         dq_rows, dq_keys, dq_warps = t.dq_tile
-        dq_tma = t.backward_tma and not t.backward_one_launch and not varlen
+        dq_tma = two_launch_tma
         dq_ptrs = dict(bwd_ptrs,
                        **{name: f"tensordesc<{dtype}[1,1,{dq_keys},{width}]>" for name in ("k_desc", "v_desc")},
                        **{name: f"tensordesc<{dtype}[1,1,{m},{width}]>" for name in ("q_desc", "do_desc")})
         dq_label = f"bwd-dq {dq_rows}x{dq_keys}w{dq_warps}{' tma' if dq_tma else ''} {tag_varlen}"
         results.append(compile_variant(dq_label, attention_bwd_dq_kernel,
                                        dict(flags, BLOCK_M=dq_rows, BLOCK_N=dq_keys,
-                                            MASK_KIND=0 if varlen or dq_tma else 2, VARLEN=varlen, USE_TMA=dq_tma,
-                                            PER_ROW_BAND=not varlen),
+                                            MASK_KIND=0 if varlen or dq_tma else 2, VARLEN=varlen, USE_TMA=dq_tma),
                                        dq_ptrs if dq_tma else bwd_ptrs, dq_warps, stages))
         one_launch_tma = not varlen and dtype != "fp32"
         results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
                                        attention_bwd_kernel,
                                        dict(flags, BLOCK_M=m, BLOCK_N=n, MASK_KIND=0, VARLEN=varlen,
-                                            USE_TMA=one_launch_tma, PER_ROW_BAND=not varlen, **plain),
+                                            USE_TMA=one_launch_tma, **plain),
                                        bwd_tma_ptrs if one_launch_tma else bwd_ptrs, warps, stages))
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key not in ("HEADDIM_V", "SCALE_IN_EXP2")}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
                        "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
-        # paged bf16 with both page tiles (16-key blocks for small pages, 128-key blocks for pages a multiple of 128)
+        # paged bf16 with both page tiles (16-key blocks for pages of 16, 64-key blocks for pages of 256)
         for large_pages in (False, True) if paged and headdim == 128 else (False,):
             decode_tile = default_decode_tile((256 if large_pages else 16) if paged else None)
             pages = " large-pages" if large_pages else ""

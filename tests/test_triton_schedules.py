@@ -439,47 +439,19 @@ def test_one_launch_backward_follows_the_eager_rule_and_equals_two_launches(monk
     _assert_eager_rule_under_backward_schedule(1, q, k, v, kwargs, dtype, seed)
 
 
-@pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
-def test_one_launch_backward_of_packed_sequences_equals_two_launches(monkeypatch, lengths):
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS[lengths], 4, 2, 16, 24, torch.float32)
-
-    def call():
-        out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
-        return out, lse, (q, k, v)
-
-    _assert_one_launch_equals_two(monkeypatch, call, atol_on_gpu=1e-5)
-
-
-@pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
-@pytest.mark.parametrize("scenario", ("plain", "causal", "causal-window", "everything"))
-@pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "mqa-long-q"))
-def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatch, one_launch, scenario, shape,
-                                                                        seed):
-    """Backward schedules 2 / 3 load the streamed Q/dO and K/V tiles by TMA descriptor (rows past the end and
-    columns past a padded head dim zero-filled by the copy engine), otherwise the arithmetic of 0 / 1: bitwise
-    the same gradients in the interpreter, the eager rule against float64 everywhere; the TMA path must run."""
-    dtype = torch.float16
-    q, k, v, kwargs, call = _scenario_call(scenario, shape, dtype)
-    pointer = _with_backward_schedule(int(one_launch), call)
-    names = ("attention_bwd_kernel",) if one_launch else ("attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel")
-    recorders = [_RecordingKernel(getattr(launch, name)) for name in names]
-    for name, recorder in zip(names, recorders):
-        monkeypatch.setattr(launch, name, recorder)
-    tma = _with_backward_schedule(2 + int(one_launch), call)
-    assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
-    # dense batches fold the band mask per query row (the packed kernels keep the per-element form: test below)
-    assert all(options["PER_ROW_BAND"] for r in recorders for options in r.calls)
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
-        if INTERPRETED:
-            assert torch.equal(a, b), f"{name} differs between TMA and pointer loads"
-    _assert_eager_rule_under_backward_schedule(2 + int(one_launch), q, k, v, kwargs, dtype, seed)
-
-
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, kwargs):
+    """A call of flash_attn_varlen_func on packed inputs returning (out, lse, (q, k, v))."""
     def call():
         out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kwargs)
         return out, lse, (q, k, v)
     return call
+
+
+@pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
+def test_one_launch_backward_of_packed_sequences_equals_two_launches(monkeypatch, lengths):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS[lengths], 4, 2, 16, 24, torch.float32)
+    call = _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, {"causal": True})
+    _assert_one_launch_equals_two(monkeypatch, call, atol_on_gpu=1e-5)
 
 
 def _record_backward_kernels(monkeypatch, schedule):
@@ -492,6 +464,34 @@ def _record_backward_kernels(monkeypatch, schedule):
     return recorders
 
 
+def _assert_tma_backward_equals_pointer_loads(monkeypatch, call, one_launch, atol_on_gpu):
+    """Backward schedule 2 / 3 (TMA) against 0 / 1 (pointer loads) for call(): the TMA path must run; bitwise the
+    same out, lse and gradients in the interpreter, within atol_on_gpu on a GPU (None: not compared there)."""
+    pointer = _with_backward_schedule(int(one_launch), call)
+    recorders = _record_backward_kernels(monkeypatch, 2 + int(one_launch))
+    tma = _with_backward_schedule(2 + int(one_launch), call)
+    assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
+        if INTERPRETED:
+            assert torch.equal(a, b), f"{name} differs between TMA and pointer loads"
+        elif atol_on_gpu is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=atol_on_gpu, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
+@pytest.mark.parametrize("scenario", ("plain", "causal", "causal-window", "everything"))
+@pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "mqa-long-q"))
+def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatch, one_launch, scenario, shape,
+                                                                        seed):
+    """Backward schedules 2 / 3 load the streamed Q/dO and K/V tiles by TMA descriptor (rows past the end and
+    columns past a padded head dim zero-filled by the copy engine), otherwise the arithmetic of 0 / 1: bitwise
+    the same gradients in the interpreter, the eager rule against float64 everywhere; the TMA path must run."""
+    dtype = torch.float16
+    q, k, v, kwargs, call = _scenario_call(scenario, shape, dtype)
+    _assert_tma_backward_equals_pointer_loads(monkeypatch, call, one_launch, atol_on_gpu=None)  # fp16: eager rule
+    _assert_eager_rule_under_backward_schedule(2 + int(one_launch), q, k, v, kwargs, dtype, seed)
+
+
 @pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
 @pytest.mark.parametrize("scenario", ("plain", "causal", "everything"))
 @pytest.mark.parametrize("lengths", ("mixed", "decode-like"))
@@ -502,17 +502,7 @@ def test_tma_backward_of_packed_sequences_equals_pointer_loads(monkeypatch, one_
     interpreter, within 1e-5 on a GPU (fp32); the TMA path must run."""
     q, k, v, cu_q, cu_k, max_q, max_k = packed_inputs(LENGTHS[lengths], 4, 2, 16, 24, torch.float32)
     call = _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, VARLEN_SCENARIOS[scenario](len(LENGTHS[lengths]), 4))
-    pointer = _with_backward_schedule(int(one_launch), call)
-    recorders = _record_backward_kernels(monkeypatch, 2 + int(one_launch))
-    tma = _with_backward_schedule(2 + int(one_launch), call)
-    assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
-    # the per-row band fold tripled the packed dK/dV kernel's spills (BENCHMARKS.md, session 15)
-    assert not any(options["PER_ROW_BAND"] for r in recorders for options in r.calls)
-    for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
-        if INTERPRETED:
-            assert torch.equal(a, b), f"{what} differs between TMA and pointer loads"
-        else:
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"{what} differs")
+    _assert_tma_backward_equals_pointer_loads(monkeypatch, call, one_launch, atol_on_gpu=1e-5)
 
 
 @pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))

@@ -28,6 +28,10 @@ Packed variable-length batches (VARLEN) work as in fwd.py: batch entry b is sequ
 packed tensors, and each program loops over its sequence's real blocks. The preprocess kernel needs
 no sequence boundaries (rows are independent): it sees the packed batch as one long sequence.
 
+Packed batches keep the band mask per element (scores(PER_ROW_BAND=not VARLEN)): folded per query row it tripled
+the packed dK/dV kernel's spills (d = 128, 64 x 128: 536 -> 1,652 bytes per thread; triton 3.6, sm_90) and slowed
+it 32% on an H200 (BENCHMARKS.md, session 15); dense batches keep the fold.
+
 Both loops skip blocks outside the causal / window band and use the element mask only on blocks
 that straddle an edge (common.query_block_bounds / key_block_bounds). Softcap multiplies dS by the
 derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are constants.
@@ -36,8 +40,8 @@ derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are const
 import triton
 import triton.language as tl
 
-from .common import (alibi_slope, exp2_of_scores, key_block_bounds, load_tile, program_heads, query_block_bounds,
-                     scores, sequence_bounds)
+from .common import (alibi_slope, descriptor_origin, exp2_of_scores, key_block_bounds, load_tile, program_heads,
+                     query_block_bounds, scores, sequence_bounds)
 
 
 @triton.jit
@@ -85,8 +89,7 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, b32, h32, row0, L
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
-                 VARLEN: tl.constexpr):
+                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, VARLEN: tl.constexpr):
     # Tiles are transposed (keys as rows, queries as columns) so that P^T and dS^T come out of the
     # matmuls directly and only register tiles of Q and dO get transposed. q_src / do_src are pointers at the
     # sequence's row 0: MASKED ranges may run past the queries; the interior range never does, so its loads go
@@ -110,7 +113,7 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, b32, h32, row0, L
         s_t, t_t = scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, score_scale, softcap_scale,
                           softcap_out, slope, diagonal_offset, window_left, window_right,
                           mask_cols + offs_m[None, :].to(tl.int64) * stride_mask_m,
-                          MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2, PER_ROW_BAND)
+                          MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2, not VARLEN)
         # unscaled products (SCALE_IN_EXP2): one fused multiply-add per score also in masked tiles, where the
         # mask's select would sit between a separate multiply and the subtraction
         p_t = exp2_of_scores(s_t, lse2[None, :], score_scale, SCALE_IN_EXP2)
@@ -134,7 +137,7 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                    PER_ROW_BAND: tl.constexpr, VARLEN: tl.constexpr):
+                    VARLEN: tl.constexpr):
     """dK and dV of keys [n0, n0 + BLOCK_N) of one (batch entry, K/V head); the pointers are at the entry's row 0."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -149,11 +152,7 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left,
                                                   window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # descriptor coordinates: a packed batch is the descriptors' one batch entry, its sequence at row q_start
-    tma_b = b.to(tl.int32)
-    if VARLEN:
-        tma_b = tma_b * 0
-    tma_row0 = q_start.to(tl.int32)
+    tma_b, tma_row0 = descriptor_origin(b, q_start, VARLEN)
     for g in range(0, group_size):
         h = hk * group_size + g
         q_src = Q + h * stride_qh
@@ -167,21 +166,21 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                              USE_TMA, SCALE_IN_EXP2, VARLEN)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
                               Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                              USE_TMA, SCALE_IN_EXP2, VARLEN)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
                               Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                              USE_TMA, SCALE_IN_EXP2, VARLEN)
     tl.store(dK + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(dK.dtype.element_ty), mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM))
     tl.store(dV + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
@@ -201,7 +200,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                  USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr):
+                  USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
     """The dK/dV work of program pid_n of key_programs for (batch entry b, K/V head hk)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
         CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
@@ -222,7 +221,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                             group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                             diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                             BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                            USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                            USE_TMA, SCALE_IN_EXP2, VARLEN)
     else:
         _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, Lse, Delta, dk_ptr, dv_ptr,
                         Slopes, Mask, b, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -231,7 +230,7 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                         group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                         diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                         BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                        USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                        USE_TMA, SCALE_IN_EXP2, VARLEN)
 
 
 @triton.jit
@@ -251,7 +250,7 @@ def attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr,
 ):
     b, hk, _ = program_heads(tl.program_id(1), nheads_k, 1)
     _dkdv_program(tl.program_id(0), tl.num_programs(0), b, hk, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV,
@@ -262,7 +261,7 @@ def attention_bwd_dkdv_kernel(
                   stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k, sm_scale, score_scale,
                   softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                   BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                  VARLEN, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                  VARLEN, USE_TMA, SCALE_IN_EXP2)
 
 
 @triton.jit
@@ -274,8 +273,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, 
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
-               VARLEN: tl.constexpr):
+               USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, VARLEN: tl.constexpr):
     # k_src / v_src: pointers at the sequence's row 0, where MASKED ranges may run past the keys; the interior
     # range never does, so its loads go unmasked. With USE_TMA the tiles come through k_desc / v_desc (b32, hk32
     # and row0 + n0 the coordinates), in a packed batch (VARLEN) only in the interior range (as in _dkdv_blocks)
@@ -296,7 +294,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, 
         s, t = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right,
                       mask_rows + offs_n[None, :] * stride_mask_n,
-                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2, PER_ROW_BAND)
+                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2, not VARLEN)
         p = exp2_of_scores(s, lse2[:, None], score_scale, SCALE_IN_EXP2)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -317,7 +315,7 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                    PER_ROW_BAND: tl.constexpr, VARLEN: tl.constexpr):
+                    VARLEN: tl.constexpr):
     """dQ of query rows [m0, m0 + BLOCK_M) of one (batch entry, head); the pointers are at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -332,10 +330,8 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                                    True)
     k_src = K + hk * stride_kh
     v_src = V + hk * stride_vh
-    # descriptor coordinates: a packed batch is the descriptors' one batch entry, its sequence at row k_start
-    b32, hk32, row0 = b.to(tl.int32), hk.to(tl.int32), k_start.to(tl.int32)
-    if VARLEN:
-        b32 = b32 * 0
+    b32, row0 = descriptor_origin(b, k_start, VARLEN)
+    hk32 = hk.to(tl.int32)
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + rows * stride_mask_m
     slope = alibi_slope(Slopes, b, h, stride_slopes_b, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -346,19 +342,19 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
                     mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                    MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                    MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
                     mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
     tl.store(dQ + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))
 
@@ -375,7 +371,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, 
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr):
+                USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
     """The dQ work of program pid_m of query_programs for (batch entry b, query head h of K/V head hk)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
         CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
@@ -392,7 +388,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, 
                             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                             score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                             HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
     else:
         _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, k_desc, v_desc, Lse, Delta, dq_ptr, Slopes, Mask,
                         b, h, hk, q_start, k_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -400,7 +396,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, 
                         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
                         HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND, VARLEN)
+                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
 
 
 @triton.jit
@@ -419,7 +415,7 @@ def attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr,
 ):
     b, h, hk = program_heads(tl.program_id(1), nheads, group_size)
     _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ,
@@ -429,8 +425,7 @@ def attention_bwd_dq_kernel(
                 stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m,
                 stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset,
                 window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT,
-                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2,
-                PER_ROW_BAND)
+                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2)
 
 
 @triton.jit
@@ -451,7 +446,7 @@ def attention_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr, PER_ROW_BAND: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr,
 ):
     """Backward schedule 1: the dK/dV and the dQ programs in one launch, grid (key_programs * nheads_k +
     query_programs * nheads, batch). The first key_programs * nheads_k programs of axis 0 do what
@@ -472,7 +467,7 @@ def attention_bwd_kernel(
                       stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k,
                       sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                       HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2)
     else:
         # the dQ programs use the transposed tile: BLOCK_N query rows against BLOCK_M keys
         r = pid - dkdv_programs
@@ -485,4 +480,4 @@ def attention_bwd_kernel(
                     stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale,
                     softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                     BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN,
-                    USE_TMA, SCALE_IN_EXP2, PER_ROW_BAND)
+                    USE_TMA, SCALE_IN_EXP2)

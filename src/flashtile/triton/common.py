@@ -88,6 +88,18 @@ def sequence_bounds(CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offs
 
 
 @triton.jit
+def descriptor_origin(b, start, VARLEN: tl.constexpr):
+    """(batch coordinate, first row) of batch entry b in a host-side (batch, heads, rows, dim) descriptor, both int32
+    (descriptor coordinates are; program_heads gives int64 for pointer offsets): a dense entry is the descriptors'
+    batch b from row 0, a packed sequence (VARLEN) is in their one batch entry from its first row, `start`
+    (sequence_bounds' q_start or k_start)."""
+    batch = b.to(tl.int32)
+    if VARLEN:
+        batch = 0
+    return batch, start.to(tl.int32)
+
+
+@triton.jit
 def key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key blocks for query rows [m0, m0 + BLOCK_M): (lo, full_lo, full_hi, hi).
@@ -149,9 +161,10 @@ def band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left,
     each element of the tile pays one comparison per band edge: written as three conditions and-ed per element,
     triton 3.6 gave each its own select (three per element on a causal diagonal tile of the forward, one with the
     fold; with the scale inside the exponent, the d = 128 1k causal forward ran 5% faster on an H200, BENCHMARKS.md
-    session 14). The decode kernel
-    keeps the per-element form: there the fold changed ptxas's register budget (197 -> 168 registers at 128-key
-    page tiles), a third program per SM and a 1.3-wave tail at batch 64 x 8 K/V heads, 18% slower.
+    session 14). Two kernels keep the per-element form, where the fold changed ptxas's register allocation for the
+    worse: the decode kernel (197 -> 168 registers at 128-key page tiles, a third program per SM and a 1.3-wave
+    tail at batch 64 x 8 K/V heads, 18% slower) and the packed-batch backward (bwd.py; its dK/dV kernel spilled
+    536 -> 1,652 bytes per thread and ran 32% slower, session 15).
     """
     if PER_ROW_BAND:
         last_key = tl.where(q_idx < seqlen_q, seqlen_k - 1, -1)

@@ -55,8 +55,8 @@ writes the same out and lse.
 import triton
 import triton.language as tl
 
-from .common import (alibi_slope, band_mask, finish_rows, key_block_bounds, online_softmax_step, program_heads,
-                     scores, sequence_bounds)
+from .common import (alibi_slope, band_mask, descriptor_origin, finish_rows, key_block_bounds, online_softmax_step,
+                     program_heads, scores, sequence_bounds)
 
 
 @triton.jit
@@ -102,13 +102,10 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                              MASK_ALL: tl.constexpr, VARLEN: tl.constexpr, SEPARATE_RAGGED_END: tl.constexpr,
                              SCALE_IN_EXP2: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head); Out points at the entry's row 0, the descriptors'
-    rows of this entry start at q_start / k_start (0 in a dense batch, whose entry is the descriptors' batch
-    coordinate; a packed batch is batch 1 of the descriptors)."""
-    # descriptor coordinates are int32 (program_heads gives int64 for pointer offsets)
-    b32, h32, hk32 = b.to(tl.int32), h.to(tl.int32), hk.to(tl.int32)
-    q_row0, key_row0 = q_start.to(tl.int32), k_start.to(tl.int32)
-    if VARLEN:
-        b32 = 0
+    rows of this entry start at q_start / k_start (common.descriptor_origin)."""
+    b32, q_row0 = descriptor_origin(b, q_start, VARLEN)
+    _, key_row0 = descriptor_origin(b, k_start, VARLEN)
+    h32, hk32 = h.to(tl.int32), hk.to(tl.int32)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < seqlen_q

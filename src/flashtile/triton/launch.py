@@ -296,11 +296,8 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
                        _heads_view(v, dq_keys, block_dv), _heads_view(grad_out, rows, block_dv))
     else:
         descriptors = (q, k, v, grad_out)  # never read
-    # the band mask folded per query row (common.band_mask) only for dense batches: in the packed kernels ptxas
-    # spilled 2-3x more with it (d = 128 dK/dV, 64 x 128: 536 -> 1,652 bytes per thread; triton 3.6, sm_90), and the
-    # packed non-causal dK/dV kernel ran 32% slower on the H200 (BENCHMARKS.md, session 15)
     bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, USE_TMA=use_tma,
-               PER_ROW_BAND=not varlen, **flags)
+               **flags)
     key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), dq_rows))
     if tiles.backward_one_launch and k.shape[1] > 0:
@@ -361,7 +358,7 @@ class DecodeTile:
 # 2 warps and 8 stages so that enough bytes stay in flight, about four waves (session 12, page 16: 8 x 128k
 # 1,008 us, 1 x 32k 41.1, 1 x 128k 131, 64 x 32k 1,998, where the 128-key blocks with a page lookup per key that
 # served these pages until then took 1,169 / 48.8 / 146 / 2,073 and the contiguous cache 1,006 / 40.1 / 130 /
-# 1,925; pages of 32 keys within 4.4% of the best tile measured for them).
+# 1,925; pages of 32 keys within 3.6% of the best tile measured for them).
 DECODE_TILE = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
 DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
 
