@@ -8,7 +8,8 @@ Rows (median of triton.testing.do_bench, forward and forward+backward, causal an
   dense    flash_attn_func on batch x 4096 with the same total tokens (the dense kernel's rate; with
            --equal-lengths, the same sequences as a dense batch)
 The issue's bar: varlen >= 0.9x dense, and faster than padded.
-With --bwd-tiles (backward configs in tune_triton.py's syntax, e.g. 32x64w4s3t1) it then times the varlen
+With --bwd-tiles (backward configs in tune_triton.py's syntax, e.g. 32x64w4s3t1 or, with the dQ kernel's own
+tile, 32x128w4s3t2q128x64w8) it then times the varlen
 forward+backward under each of them, beside the dense rate measured above with the table's tiles; with
 --fwd-tiles (forward configs, e.g. 128x128w8s3) the varlen forward likewise (--fwd-max-registers 128: under a
 register cap).
@@ -35,7 +36,7 @@ import triton.testing
 import flashtile
 from flashtile._measure import timed_kernels
 
-from tune_triton import parse_config
+from tune_triton import parse_bwd_config, parse_config
 
 
 def bench(fn) -> float:
@@ -125,9 +126,11 @@ def main() -> None:
             print(f"causal={int(causal)} fwd     varlen forward {text:13s}{cap} {ms:8.3f} ms {rate:6.1f} TFLOP/s, "
                   f"{rate / rates['dense', 'fwd']:.2f}x dense", flush=True)
         for text in filter(None, args.bwd_tiles.split(",")):
-            m, n, warps, stages, schedule = parse_config(text)
+            m, n, warps, stages, schedule, dq_m, dq_n, dq_warps = parse_bwd_config(text)
+            # without a dQ tile the override leaves dQ on the dK/dV tile transposed (0 is not a tile setting)
+            dq = dict(dq_block_m=dq_m, dq_block_n=dq_n, dq_num_warps=dq_warps) if dq_m else {}
             with flashtile.use_backend("triton", bwd_block_m=m, bwd_block_n=n, bwd_num_warps=warps,
-                                       bwd_num_stages=stages, backward_schedule=schedule):
+                                       bwd_num_stages=stages, backward_schedule=schedule, **dq):
                 ms = bench(lambda: torch.autograd.grad(fn(), inputs, g))
             rate = 3.5 * flops / ms / 1e9
             print(f"causal={int(causal)} fwd+bwd varlen backward {text:13s} {ms:8.3f} ms {rate:6.1f} TFLOP/s, "

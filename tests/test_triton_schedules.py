@@ -251,6 +251,9 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     assert default_tiles(dataclasses.replace(d64, seqlen_k=1024, window_right=0), (9, 0)).block_m == 64
     assert default_tiles(dataclasses.replace(d64, window_right=0), (9, 0)).block_m == 128
     assert default_tiles(dataclasses.replace(base, varlen=True), (9, 0)).forward_schedule == 1
+    # packed d = 64 batches: 8 warps capped at 128 registers (two programs per SM, as the dense kernel's 107)
+    assert default_tiles(dataclasses.replace(d64, varlen=True), (9, 0)).forward_max_registers == 128
+    assert default_tiles(d64, (9, 0)).forward_max_registers == 0
     assert default_tiles(dataclasses.replace(base, dtype=torch.float32), (9, 0)).forward_schedule == 0
     assert default_tiles(base, (8, 0)).forward_schedule == 0
     assert all(default_tiles(base, cap).forward_schedule != 2 for cap in ((8, 0), (9, 0), (10, 0)))
@@ -337,8 +340,8 @@ def test_warp_specialized_128_row_tiles_use_the_right_query_positions(case, seed
 
 def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_pay():
     """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128; at d = 64 dense batches take two launches with
-    TMA loads and the dQ kernel's own 128 x 64 / 8-warp tile, except banded problems below 4k keys and packed
-    batches (one launch below 16k keys); other GPUs and fp32 keep the two launches and their tiles; packed
+    TMA loads and the dQ kernel's own 128 x 64 / 8-warp tile, packed or not, except banded problems below 4k keys
+    (one launch); other GPUs and fp32 keep the two launches and their tiles; packed
     batches at d = 128 take two launches with TMA loads in their interior blocks; dense ones at d = 128 load the
     streamed tiles by TMA at every length."""
     import dataclasses
@@ -355,8 +358,11 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
     banded_short = dataclasses.replace(_table_problem(1024, 64), window_right=0)
     tiles = default_tiles(banded_short, (9, 0))
     assert (tiles.backward_schedule, tiles.dq_block_m) == (1, 0)
-    assert default_tiles(dataclasses.replace(d64, varlen=True), (9, 0)).backward_schedule == 1
-    assert default_tiles(dataclasses.replace(_table_problem(16384, 64), varlen=True), (9, 0)).backward_schedule == 0
+    for seqlen in (4096, 16384):  # packed d = 64 batches as the dense ones (TMA in their interior blocks)
+        tiles = default_tiles(dataclasses.replace(_table_problem(seqlen, 64), varlen=True), (9, 0))
+        assert (tiles.backward_schedule, tiles.dq_tile) == (2, (128, 64, 8)), seqlen
+    packed_banded_short = default_tiles(dataclasses.replace(banded_short, varlen=True), (9, 0))
+    assert (packed_banded_short.backward_schedule, packed_banded_short.dq_block_m) == (1, 0)
     packed = default_tiles(dataclasses.replace(d128, varlen=True), (9, 0))  # packed batches: two launches, TMA
     assert (packed.backward_schedule, packed.bwd_block_m, packed.bwd_block_n) == (2, 64, 128)
     for other, capability in ((d128, (8, 0)), (_table_problem(4096, 128, torch.float32), (9, 0)), (d64, (8, 6))):

@@ -172,11 +172,12 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         # but 4 warps for banded problems below 4k keys (1k causal: 264-266 in three runs against 254 with 8)
         banded_short = problem.is_banded and problem.seqlen_k < 4096
         warps = 8 if hopper_forward and not banded_short else 4
-        if hopper_16bit and not problem.varlen and not banded_short:
-            # dense batches: two launches, TMA loads, the dQ kernel with its own 128 x 64 / 8-warp tile
-            # (session 10, fwd+bwd in one run against the previous table: +5..+7% / +5% / +5% at 1k / 4k / 16k
-            # non-causal, +5..+10% / +4% at 4k / 16k causal; at 1k causal the one launch stayed ahead, 239 / 225
-            # against 205)
+        if hopper_16bit and not banded_short:
+            # two launches, TMA loads (packed batches: in their interior blocks), the dQ kernel with its own
+            # 128 x 64 / 8-warp tile (session 10, dense fwd+bwd in one run against the previous table: +5..+7% /
+            # +5% / +5% at 1k / 4k / 16k non-causal, +5..+10% / +4% at 4k / 16k causal; at 1k causal the one launch
+            # stayed ahead, 239 / 225 against 205; session 16, 64 packed log-uniform lengths up to 8k, 32 heads:
+            # 30.69 / 16.78 ms against 30.72 / 17.37 in one launch, non-causal / causal)
             backward = dict(backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
         else:
             backward = dict(backward_schedule=int(hopper_16bit and problem.seqlen_k < 16384))
@@ -184,8 +185,14 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         # programs share an SM and hide each other's pipeline fill and drain; session 13, 1k causal: 288 / 286
         # TFLOP/s against 272 / 273 with 128 rows; 4k: 332 / 348 against 359 / 357)
         block_m = 64 if hopper_forward and banded_short and not problem.varlen else 128
+        # packed batches with 8 warps: at most 128 registers, so that two programs share an SM as in a dense batch
+        # (triton 3.6, sm_90, 128 x 64 non-causal: 146 registers packed, 107 dense; 127 with the cap, no spills;
+        # session 15 measured the packed non-causal forward at 10.61 ms against the dense 7.10, causal (122
+        # registers) 3.87 against 3.84; session 16 with the cap: 7.30 / 3.83 ms against the dense 6.90 / 3.56)
+        cap = 128 if hopper_forward and problem.varlen and warps == 8 else 0
         return TritonTiles(block_m, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
-                           forward_separate_ragged_end=_separate_ragged_end(problem), **backward)
+                           forward_separate_ragged_end=_separate_ragged_end(problem), forward_max_registers=cap,
+                           **backward)
     if width <= 128:
         if hopper_16bit:
             # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
