@@ -15,8 +15,8 @@ host time goes: benchmarks/host_overhead.py).
     python benchmarks/tune_decode.py --graphs
     python benchmarks/tune_decode.py --variants --cells 8x131072x16,8x131072x256 \
         --tiles 128x4x2,128x4x3,128x8x2,256x8x2 --split-factors 1,2,3,4,6,8
-(cells: batch x cache length x page size, 0 = contiguous; tiles: keys per block x warps x stages, skipped
-for a paged cell whose page size they do not divide; split factors multiply the split count that two
+(cells: batch x cache length x page size, 0 = contiguous; tiles: keys per block x warps x stages (a key block
+larger than a page looks up each page it spans); split factors multiply the split count that two
 waves of programs would give; --splits 40,49,64 times those split counts instead.)
 """
 
@@ -61,8 +61,6 @@ def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=S
     # split counts: the given ones, else multiples of two waves'
     counts = [(t, None, n) for t in tiles for n in splits] or [(t, f, None) for t in tiles for f in split_factors]
     for tile, factor, count in counts:
-        if page is not None and page % tile.block_n:
-            continue  # a paged cache's key block must lie in one page
         base = launch.decode_geometry(call.problem, call.page_size, 0, tile)
         if count is None and factor > 1 and base.splits == 1 and batch * 8 >= 132:
             continue  # the heuristic's single split already fills the GPU

@@ -7,6 +7,7 @@ the installed triton (not the GPU machine's) catches code-generation errors the 
 """
 
 import json
+import math
 import sys
 
 import triton
@@ -137,12 +138,13 @@ def main():
                        "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
         # paged bf16 with both page tiles (16-key blocks for pages of 16, 64-key blocks for pages of 256)
         for large_pages in (False, True) if paged and headdim == 128 else (False,):
-            decode_tile = default_decode_tile((256 if large_pages else 16) if paged else None)
+            decode_tile = default_decode_tile((256 if large_pages else 16) if paged else None, split=split)
             pages = " large-pages" if large_pages else ""
             results.append(compile_variant(
                 f"decode{' paged' if paged else ''}{pages}{' split' if split else ''} {tag}",
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
+                     PAGE_CHUNK=math.gcd(decode_tile.block_n, (256 if large_pages else 16) if paged else 16),
                      SPLIT=split, STORE_LSE=not split),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,

@@ -160,6 +160,40 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
     assert choose_num_splits(programs=8, key_blocks=2, sm_count=132) == 1
 
 
+def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monkeypatch):
+    """On a 132-SM GPU: batch 1 of a contiguous cache splits at about two waves with 3 stages, batch 64 fills the GPU
+    unsplit with 2, a cache of two key blocks stays unsplit, pages of 256 keep the four-wave tile, pages of 16 take
+    16-key blocks when split and 64-key blocks when not, and an explicit split count picks the tile by whether it
+    splits."""
+    from flashtile._validate import prepare_kvcache
+    from flashtile.triton import launch
+
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    launch.decode_geometry.cache_clear()  # entries computed for the interpreter's pretend GPU
+
+    def geometry(batch, length, page=None, num_splits=0):
+        q = torch.randn(batch, 1, 32, 16)
+        k_cache = torch.randn(batch * length // (page or length), page or length, 8, 16)
+        table = None if page is None else torch.arange(k_cache.shape[0], dtype=torch.int32).view(batch, -1)
+        call = prepare_kvcache(q, k_cache, k_cache, None, None, length, table, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=num_splits,
+                               return_softmax_lse=False)
+        found = launch.decode_geometry(call.problem, call.page_size, num_splits)
+        return found.splits, found.block_n, found.num_stages
+
+    try:
+        assert geometry(1, 32768) == (32, 64, 3)  # 33 wanted (two programs per SM), 16 of 512 key blocks each
+        assert geometry(64, 256) == (1, 64, 2)  # 512 programs fill the GPU
+        assert geometry(1, 128) == (1, 64, 2)  # two key blocks: nothing to split
+        assert geometry(1, 32768, page=256) == (64, 64, 2)
+        assert geometry(1, 32768, page=16) == (64, 16, 8)
+        assert geometry(64, 256, page=16) == (1, 64, 2)  # unsplit: 64-key blocks over four pages
+        assert geometry(1, 32768, num_splits=1) == (1, 64, 2)
+        assert geometry(1, 32768, num_splits=3) == (3, 64, 3)
+    finally:
+        launch.decode_geometry.cache_clear()
+
+
 def test_rows_without_keys_get_zero_and_minus_infinity():
     k_cache, v_cache, _ = make_cache(torch.float32, None)
     q = torch.randn(BATCH, 2, NHEADS, HEADDIM, device=DEVICE)
@@ -362,11 +396,13 @@ def test_unchecked_values_never_take_the_kernel_outside_the_cache():
 
 
 @pytest.mark.parametrize("num_splits", (1, 3))
-@pytest.mark.parametrize("page_size, block_n", ((16, 16), (48, 16), (128, 16), (128, 128), (256, 128), (256, 64)))
+@pytest.mark.parametrize("page_size, block_n", ((16, 16), (48, 16), (128, 16), (128, 128), (256, 128), (256, 64),
+                                                 (16, 64), (48, 64), (32, 128)))
 def test_paged_decode_reads_each_key_block_from_its_page(page_size, block_n, num_splits, seed):
-    """A paged cache's key blocks divide its pages and each looks its page up once (DecodeTile): scattered pages,
-    a window, lengths that end inside a page, 16-key blocks walking several pages and 128-key blocks within one,
-    against the oracle; a table entry past every sequence's pages is never followed."""
+    """Key blocks that divide the pages look their page up once, larger ones once per run of keys within a page
+    (16 keys of a 48-key page: runs that start mid-page): scattered pages, a window, lengths that end inside a
+    page, 16-key blocks walking several pages, 128-key blocks within one and 64-key blocks over four, against the
+    oracle; a table entry past every sequence's pages is never followed."""
     from flashtile._validate import prepare_kvcache
     from flashtile.triton import launch
 
@@ -392,21 +428,6 @@ def test_paged_decode_reads_each_key_block_from_its_page(page_size, block_n, num
         torch.testing.assert_close(lse[b:b + 1].double(), want_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_tile_must_divide_the_page_size():
-    from flashtile._validate import prepare_kvcache
-    from flashtile.triton import launch
-
-    k_cache, v_cache, table = make_cache(torch.float32, 48)
-    q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device=DEVICE)
-    call = prepare_kvcache(q, k_cache, v_cache, None, None, 5, table, softmax_scale=None, causal=False,
-                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
-                           return_softmax_lse=False)
-    rule = r"block_n must divide the cache's page_size .*, got block_n 32 for page_size 48"
-    with pytest.raises(ValueError, match=rule):
-        launch.decode_geometry(call.problem, 48, 0, launch.DecodeTile(32, 2, 3, waves=2))
-    assert launch.decode_geometry(call.problem, 48, 0, launch.DecodeTile(16, 2, 3, waves=2)).block_n == 16
-
-
 def test_num_splits_must_be_a_non_negative_int():
     args = _call()
     with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
@@ -427,14 +448,16 @@ def test_explain_names_the_decode_schedule(backend):
 
 
 def test_default_decode_tile_per_cache_layout():
-    """Contiguous caches and pages a multiple of 64 keys share one measured tile, every other page size (multiples
-    of 16) gets its own; the key block divides the page."""
+    """Unsplit launches and pages a multiple of 64 keys share one measured tile; split launches over a contiguous
+    cache take one of their own, and over other page sizes (multiples of 16) 16-key blocks, which divide the page."""
     from flashtile.triton import launch
 
-    assert launch.default_decode_tile(None) is launch.DECODE_TILE
-    assert launch.default_decode_tile(256) is launch.DECODE_TILE
-    assert launch.default_decode_tile(64) is launch.DECODE_TILE
-    assert launch.default_decode_tile(16) is launch.DECODE_TILE_SMALL_PAGES
-    assert launch.default_decode_tile(96) is launch.DECODE_TILE_SMALL_PAGES
+    for page_size in (None, 16, 96, 64, 256):
+        assert launch.default_decode_tile(page_size) is launch.DECODE_TILE
+    assert launch.default_decode_tile(None, split=True) is launch.DECODE_TILE_CONTIGUOUS_SPLIT
+    assert launch.default_decode_tile(256, split=True) is launch.DECODE_TILE
+    assert launch.default_decode_tile(64, split=True) is launch.DECODE_TILE
+    assert launch.default_decode_tile(16, split=True) is launch.DECODE_TILE_SMALL_PAGES
+    assert launch.default_decode_tile(96, split=True) is launch.DECODE_TILE_SMALL_PAGES
     for page_size in range(16, 1025, 16):
-        assert page_size % launch.default_decode_tile(page_size).block_n == 0
+        assert page_size % launch.default_decode_tile(page_size, split=True).block_n == 0

@@ -5,8 +5,8 @@ are the (query head of the group, query token) pairs that share the K/V head —
 rows, BLOCK_M per program — so for decoding (seqlen_q * group_size <= BLOCK_M) each byte of K and V is
 read from memory once for the whole group. It streams
 the key blocks of its split of the sequence's keys (positions 0 .. cache_seqlens[b] + seqlen_new - 1,
-read through the block table when the cache is paged: BLOCK_N divides the page size, so each key
-block is one lookup) with the same online softmax as fwd.py.
+read through the block table when the cache is paged: one lookup per key block where BLOCK_N divides
+the page size, one per run of PAGE_CHUNK keys otherwise) with the same online softmax as fwd.py.
 With one split it normalises and writes out and lse itself; otherwise it writes its normalised
 partial output and log-sum-exp to a float32 workspace, and attention_decode_combine_kernel merges
 the splits with the log-sum-exp identity (weights exp(lse_s - lse), lse = log sum exp lse_s).
@@ -36,7 +36,7 @@ def attention_decode_kernel(
     nheads, nheads_k, group_size, seqlen_q, seqlen_new, capacity, page_size, num_blocks, blocks_per_split,
     rows_padded, score_scale, softcap_scale, softcap_out, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -78,7 +78,7 @@ def attention_decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < length
-        if PAGED:
+        if PAGED and PAGE_CHUNK == BLOCK_N:
             # BLOCK_N divides the page size and blocks start on multiples of BLOCK_N, so the block lies in one
             # page, looked up once: its rows are then consecutive, as in a contiguous cache (a lookup per key
             # cost 15% at 8 x 128k with 16-key pages on an H200). Entries the host did not check are clamped
@@ -88,6 +88,21 @@ def attention_decode_kernel(
             within = (n0 % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
             k_rows = block * stride_kb + within * stride_kn
             v_rows = block * stride_vb + within * stride_vn
+        elif PAGED:
+            # pages smaller than the block: PAGE_CHUNK (which divides both) consecutive keys lie in one page, so
+            # the block is BLOCK_N // PAGE_CHUNK runs of consecutive rows, one page lookup each (a vector load of
+            # table entries; chunks past the sequence's end look nothing up and their keys are masked)
+            chunk_start = n0 + tl.arange(0, BLOCK_N // PAGE_CHUNK) * PAGE_CHUNK
+            block = tl.load(BlockTable + b * stride_table_b + chunk_start // page_size, mask=chunk_start < length,
+                            other=0)
+            block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+            # each key's block; the strides multiply it after the reshape, so the row offsets keep the strides'
+            # known divisibility and the loads stay vectorised and pipelined (reshaping the offsets loses it)
+            key_block = tl.reshape(tl.broadcast_to(block[:, None], (BLOCK_N // PAGE_CHUNK, PAGE_CHUNK)), (BLOCK_N,))
+            key_block = key_block.to(tl.int64)
+            within = (offs_n % page_size).to(tl.int64)
+            k_rows = key_block * stride_kb + within * stride_kn
+            v_rows = key_block * stride_vb + within * stride_vn
         else:
             k_rows = b * stride_kb + offs_n.to(tl.int64) * stride_kn
             v_rows = b * stride_vb + offs_n.to(tl.int64) * stride_vn

@@ -9,6 +9,7 @@ dtype; lse (batch, nheads, seqlen_q) is contiguous float32, natural log.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -338,8 +339,8 @@ def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int 
 @dataclass(frozen=True)
 class DecodeTile:
     """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages and the waves of
-    programs the split count aims for. In a paged cache block_n divides the page size, so that each key block
-    lies in one page, looked up once."""
+    programs the split count aims for. In a paged cache a key block looks its page up once where block_n divides
+    the page size, else once per run of gcd(block_n, page_size) keys (both are multiples of 16)."""
 
     block_n: int
     num_warps: int
@@ -359,13 +360,26 @@ class DecodeTile:
 # 1,008 us, 1 x 32k 41.1, 1 x 128k 131, 64 x 32k 1,998, where the 128-key blocks with a page lookup per key that
 # served these pages until then took 1,169 / 48.8 / 146 / 2,073 and the contiguous cache 1,006 / 40.1 / 130 /
 # 1,925; pages of 32 keys within 3.6% of the best tile measured for them).
+# A contiguous cache whose keys are split: 3 stages at about two waves, two programs per SM with more bytes in
+# flight each (session 16, against 2 stages at four waves in the same run: 1 x 4k 8.7 us against 9.4, 1 x 32k 38.4
+# against 40.1, 1 x 128k 127.7 against 129.8, 8 x 4k 37.8 against 38.8, 8 x 32k 247.1 against 248.3, 8 x 128k 967.9
+# against 968.1). Not for pages of 256 keys (1 x 128k 146.6 against 130.1: a page lookup per block needs more
+# programs in flight), nor for unsplit launches (session 15, batch 64: 3 stages +25%).
+# Other pages in unsplit launches: the 64-key tile too, each block looking up the pages it spans (session 16, pages
+# of 16: 64 x 32k 1,963 us against 2,033 for 16-key blocks, 64 x 128k 7,958 against 8,263; in split launches the
+# 16-key blocks stayed ahead but at 1 x 4k: 8 x 4k 39.7 against 40.8, 1 x 32k 40.8 against 42.2, 1 x 128k 130.6
+# against 134.8, 8 x 128k equal, 1 x 4k 10.9 against 10.3).
 DECODE_TILE = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
+DECODE_TILE_CONTIGUOUS_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=3, waves=2)
 DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
 
 
-def default_decode_tile(page_size: int | None) -> DecodeTile:
-    """The decode tile for a contiguous cache (page_size None) or a paged one."""
-    if page_size is None or page_size % DECODE_TILE.block_n == 0:
+def default_decode_tile(page_size: int | None, split: bool = False) -> DecodeTile:
+    """The decode tile for a contiguous cache (page_size None) or a paged one; split: whether the launch splits
+    each sequence's keys (a contiguous cache, and pages that are not a multiple of 64 keys, then take their own)."""
+    if page_size is None:
+        return DECODE_TILE_CONTIGUOUS_SPLIT if split else DECODE_TILE
+    if page_size % DECODE_TILE.block_n == 0 or not split:
         return DECODE_TILE
     return DECODE_TILE_SMALL_PAGES
 
@@ -401,18 +415,23 @@ class DecodeGeometry:
 def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits: int,
                     tile: DecodeTile | None = None) -> DecodeGeometry:
     """The launch shape for a KV-cache problem (problem.seqlen_k is the cache capacity); tile overrides
-    the layout's default (ValueError if its key block does not divide a paged cache's page size).
-    Cached: a decode loop asks for the same geometry at every step."""
-    tile = tile or default_decode_tile(page_size)
-    if page_size is not None and page_size % tile.block_n != 0:
-        raise ValueError(f"a decode tile's block_n must divide the cache's page_size (each key block lies in one "
-                         f"page), got block_n {tile.block_n} for page_size {page_size}")
+    the layout's default. Cached: a decode loop asks for the same geometry at every step."""
     rows = problem.group_size * problem.seqlen_q
     block_m = min(64, max(16, _next_power_of_2(rows)))
     row_blocks = _cdiv(rows, block_m)
+
+    def split_count(tile: DecodeTile) -> int:
+        key_blocks = max(1, _cdiv(problem.seqlen_k, tile.block_n))
+        return num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
+                                               _sm_count(problem.device), tile.waves)
+
+    if tile is None:
+        # the layout's tile for split launches where the keys do end up split, else its unsplit tile
+        tile = default_decode_tile(page_size, split=True)
+        if split_count(tile) == 1:
+            tile = default_decode_tile(page_size)
     key_blocks = max(1, _cdiv(problem.seqlen_k, tile.block_n))
-    splits = num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
-                                             _sm_count(problem.device), tile.waves)
+    splits = split_count(tile)
     blocks_per_split = _cdiv(key_blocks, max(1, min(splits, key_blocks)))
     return DecodeGeometry(block_m, row_blocks, tile.block_n, _cdiv(key_blocks, blocks_per_split),
                           blocks_per_split, tile.num_warps, tile.num_stages)
@@ -456,6 +475,7 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
          call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale,
          softcap_out, window_left, window_right),
         dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
+             PAGE_CHUNK=math.gcd(shape.block_n, call.page_size or shape.block_n),
              SPLIT=shape.splits > 1, STORE_LSE=store_lse,
              num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
     combine, part_floats = None, (0, 0)
