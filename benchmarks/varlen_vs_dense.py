@@ -12,7 +12,7 @@ With --bwd-tiles (backward configs in tune_triton.py's syntax, e.g. 32x64w4s3t1 
 tile, 32x128w4s3t2q128x64w8) it then times the varlen
 forward+backward under each of them, beside the dense rate measured above with the table's tiles; with
 --fwd-tiles (forward configs, e.g. 128x128w8s3) the varlen forward likewise (--fwd-max-registers 128: under a
-register cap).
+register cap; --dq-max-registers 128 likewise caps the dQ kernel under each --bwd-tiles config).
 With --hints (comma-separated max_seqlen values, e.g. 2048,4096) it times the varlen forward and forward+
 backward with that max_seqlen hint instead of the longest length: the grids then cover fewer blocks per
 sequence and the programs of longer sequences loop (fewer programs that exit at once, longer ones in the tail).
@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--fwd-tiles", default="", help="comma-separated forward configs to time varlen under")
     parser.add_argument("--fwd-max-registers", type=int, default=0,
                         help="with --fwd-tiles: the TMA forward's register cap (forward_max_registers; 0 = none)")
+    parser.add_argument("--dq-max-registers", type=int, default=0,
+                        help="with --bwd-tiles: the dQ kernel's register cap (maxnreg) under each of them")
     parser.add_argument("--skip-padded", action="store_true", help="leave out the (slow) padded rows")
     parser.add_argument("--equal-lengths", action="store_true", help="every sequence of the draw's mean length")
     parser.add_argument("--hints", default="", help="comma-separated max_seqlen hints to time varlen under")
@@ -129,12 +131,17 @@ def main() -> None:
             m, n, warps, stages, schedule, dq_m, dq_n, dq_warps = parse_bwd_config(text)
             # without a dQ tile the override leaves dQ on the dK/dV tile transposed (0 is not a tile setting)
             dq = dict(dq_block_m=dq_m, dq_block_n=dq_n, dq_num_warps=dq_warps) if dq_m else {}
+            if args.dq_max_registers:
+                dq["dq_max_registers"] = args.dq_max_registers
             with flashtile.use_backend("triton", bwd_block_m=m, bwd_block_n=n, bwd_num_warps=warps,
                                        bwd_num_stages=stages, backward_schedule=schedule, **dq):
                 ms = bench(lambda: torch.autograd.grad(fn(), inputs, g))
+                kernels = [f"{name[:40]} {us / 1e3:.2f} ms" for name, us in
+                           timed_kernels(lambda: torch.autograd.grad(fn(), inputs, g), device)[:3]]
             rate = 3.5 * flops / ms / 1e9
+            text += f" dq cap {args.dq_max_registers}" if args.dq_max_registers else ""
             print(f"causal={int(causal)} fwd+bwd varlen backward {text:13s} {ms:8.3f} ms {rate:6.1f} TFLOP/s, "
-                  f"{rate / rates['dense', 'fwd+bwd']:.2f}x dense", flush=True)
+                  f"{rate / rates['dense', 'fwd+bwd']:.2f}x dense  {kernels}", flush=True)
         for hint in (int(h) for h in filter(None, args.hints.split(","))):
             def hinted(hint=hint):
                 return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, hint, hint, causal=causal)

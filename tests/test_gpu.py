@@ -175,10 +175,11 @@ def _packed(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_varlen_realistic_mixed_lengths(causal, dtype, seed):
+@pytest.mark.parametrize("headdim", (128, 64), ids=("d128", "d64"))  # the sm_90 table's two packed branches
+def test_varlen_realistic_mixed_lengths(headdim, causal, dtype, seed):
     lengths_q = [1, 700, 2049, 0, 333, 1500]
     lengths_k = [900, 700, 2049, 65, 0, 1800]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, 128, dtype)
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, headdim, dtype)
     with flashtile.use_backend("triton"):
         got = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2049, 2049, causal=causal, return_lse=True)
     reference = flashtile.reference.flash_attn_varlen_reference

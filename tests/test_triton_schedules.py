@@ -358,9 +358,11 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
     banded_short = dataclasses.replace(_table_problem(1024, 64), window_right=0)
     tiles = default_tiles(banded_short, (9, 0))
     assert (tiles.backward_schedule, tiles.dq_block_m) == (1, 0)
-    for seqlen in (4096, 16384):  # packed d = 64 batches as the dense ones (TMA in their interior blocks)
+    for seqlen in (4096, 16384):  # packed d = 64 batches as the dense ones (TMA in their interior blocks), their
+        # dQ kernel capped at 128 registers (the dense one needs no cap)
         tiles = default_tiles(dataclasses.replace(_table_problem(seqlen, 64), varlen=True), (9, 0))
-        assert (tiles.backward_schedule, tiles.dq_tile) == (2, (128, 64, 8)), seqlen
+        assert (tiles.backward_schedule, tiles.dq_tile, tiles.dq_max_registers) == (2, (128, 64, 8), 128), seqlen
+        assert default_tiles(_table_problem(seqlen, 64), (9, 0)).dq_max_registers == 0
     packed_banded_short = default_tiles(dataclasses.replace(banded_short, varlen=True), (9, 0))
     assert (packed_banded_short.backward_schedule, packed_banded_short.dq_block_m) == (1, 0)
     packed = default_tiles(dataclasses.replace(d128, varlen=True), (9, 0))  # packed batches: two launches, TMA
@@ -621,12 +623,51 @@ def test_dq_tile_settings_are_validated_and_reported():
         pass
     q = torch.randn(1, 40, 2, 16, device=DEVICE, requires_grad=True)
     with flashtile.use_backend("triton", backward_schedule=1, dq_block_m=64):
-        with pytest.raises(ValueError, match=r"dq_block_m set the dQ kernel's tile, which only the two-launch"):
+        with pytest.raises(ValueError, match=r"dq_block_m set the dQ kernel's tile or register cap, which only the "
+                                             r"two-launch"):
             flashtile.flash_attn_func(q, q, q)
+    with flashtile.use_backend("triton", backward_schedule=3, dq_max_registers=128):
+        with pytest.raises(ValueError, match=r"dq_max_registers set the dQ kernel's tile or register cap"):
+            flashtile.flash_attn_func(q, q, q)
+    with pytest.raises(ValueError, match=r"dq_max_registers must be a positive int, got -1"):
+        with flashtile.use_backend("triton", dq_max_registers=-1):
+            pass
     with flashtile.use_backend("triton", backward_schedule=0, bwd_block_m=16, bwd_block_n=32, dq_block_n=64,
                                 dq_num_warps=2):
         text = str(flashtile.explain(q, q, q))
-    assert "dQ programs 32 query rows x 64 keys, 2 warps" in text, text
+    assert "dQ programs 32 query rows x 64 keys, 2 warps" in text and "2 warps, at most" not in text, text
+
+
+def test_dq_register_cap_reaches_the_dq_launch_only(monkeypatch):
+    """dq_max_registers becomes the dQ kernel's maxnreg launch option (the dK/dV kernel's launch has none) and
+    explain() states it; a forced dQ tile drops the table's cap unless the cap is forced too."""
+    import dataclasses
+
+    from flashtile._dispatch import BACKENDS
+    from flashtile.triton import configs
+
+    dq_recorder = _RecordingKernel(launch.attention_bwd_dq_kernel)
+    dkdv_recorder = _RecordingKernel(launch.attention_bwd_dkdv_kernel)
+    monkeypatch.setattr(launch, "attention_bwd_dq_kernel", dq_recorder)
+    monkeypatch.setattr(launch, "attention_bwd_dkdv_kernel", dkdv_recorder)
+    q, k, v = (t.requires_grad_(True) for t in random_qkv(1, 40, 40, 2, 2, 16, 16, torch.float16))
+    for cap in (0, 96):
+        with flashtile.use_backend("triton", backward_schedule=0, bwd_block_m=16, bwd_block_n=16,
+                                   dq_max_registers=cap):
+            flashtile.flash_attn_func(q, k, v).sum().backward()
+            text = str(flashtile.explain(q, k, v))
+        assert ("at most 96 registers" in text) == (cap == 96), text
+    assert "maxnreg" not in dq_recorder.calls[0] and dq_recorder.calls[1]["maxnreg"] == 96
+    assert all("maxnreg" not in call for call in dkdv_recorder.calls)
+
+    capped = dataclasses.replace(configs.TritonTiles(16, 16, 1, 1, 16, 16, 1, 1), dq_block_m=32, dq_max_registers=128)
+    monkeypatch.setattr(configs, "default_tiles", lambda problem, capability: capped)
+    problem, choose = _table_problem(1024, 64), BACKENDS["triton"].choose_tiles
+    assert choose(problem, {}).dq_max_registers == 128
+    assert choose(problem, {"bwd_block_m": 32}).dq_max_registers == 128
+    assert choose(problem, {"dq_num_warps": 4}).dq_max_registers == 0
+    assert choose(problem, {"dq_block_m": 64, "dq_max_registers": 96}).dq_max_registers == 96
+    assert choose(problem, {"backward_schedule": 1}).dq_max_registers == 0  # one launch: no dQ kernel of its own
 
 
 def test_a_forced_one_launch_schedule_drops_the_tables_dq_tile(monkeypatch):

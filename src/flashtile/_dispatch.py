@@ -164,17 +164,21 @@ class TritonBackend:
         if forced_forward and "forward_max_registers" not in overrides:
             # the table's register cap belongs to its own forward tile (two programs per SM at that tile)
             tiles = dataclasses.replace(tiles, forward_max_registers=0)
+        forced_dq = any(key in overrides for key in triton_configs.DQ_TILE_KEYS)
+        if forced_dq and "dq_max_registers" not in overrides:
+            # likewise the table's dQ register cap belongs to its own dQ tile
+            tiles = dataclasses.replace(tiles, dq_max_registers=0)
         if tiles.forward_schedule == 2 and tiles.forward_max_registers:
             raise ValueError("tile setting forward_max_registers cannot be combined with forward_schedule=2: "
                              "warp specialization sets each warp group's registers itself")
         if tiles.backward_one_launch:
-            dq_settings = [key for key in triton_configs.DQ_TILE_KEYS if overrides.get(key)]
+            dq_settings = [key for key in triton_configs.DQ_KEYS if overrides.get(key)]
             if dq_settings:
-                raise ValueError(f"tile settings {', '.join(dq_settings)} set the dQ kernel's tile, which only the "
-                                 f"two-launch backward schedules (0, 2) have; backward_schedule is "
+                raise ValueError(f"tile settings {', '.join(dq_settings)} set the dQ kernel's tile or register cap, "
+                                 f"which only the two-launch backward schedules (0, 2) have; backward_schedule is "
                                  f"{tiles.backward_schedule}")
             # the table's dQ tile belongs to its two-launch schedule: a forced one-launch schedule has none
-            tiles = dataclasses.replace(tiles, **dict.fromkeys(triton_configs.DQ_TILE_KEYS, 0))
+            tiles = dataclasses.replace(tiles, **dict.fromkeys(triton_configs.DQ_KEYS, 0))
         return tiles
 
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:

@@ -46,6 +46,8 @@ class TritonTiles:
     # 1: without a band closing on the right, the TMA forward gives the keys' ragged end a loop of its own instead
     # of masking it inside the interior loop by a runtime branch (a flag, 0 or 1)
     forward_separate_ragged_end: int = 0
+    # the dQ kernel's register cap per thread in the two-launch schedules (ptxas .maxnreg); 0 = the compiler's choice
+    dq_max_registers: int = 0
 
     @property
     def dq_tile(self) -> tuple[int, int, int]:
@@ -66,11 +68,12 @@ class TritonTiles:
     def describe(self, problem: AttentionProblem) -> str:
         dq_rows, dq_keys, dq_warps = self.dq_tile
         registers = f", at most {self.forward_max_registers} registers" if self.forward_max_registers else ""
+        dq_registers = f", at most {self.dq_max_registers} registers" if self.dq_max_registers else ""
         return (f"forward ({FORWARD_SCHEDULES[self.forward_schedule]}) BLOCK_M {self.block_m} x BLOCK_N "
                 f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages{registers}; backward "
                 f"({BACKWARD_SCHEDULES[self.backward_schedule]}) BLOCK_M {self.bwd_block_m} x BLOCK_N "
                 f"{self.bwd_block_n}, {self.bwd_num_warps} warps, {self.bwd_num_stages} stages; dQ programs "
-                f"{dq_rows} query rows x {dq_keys} keys, {dq_warps} warps")
+                f"{dq_rows} query rows x {dq_keys} keys, {dq_warps} warps{dq_registers}")
 
 
 FORWARD_SCHEDULES = {
@@ -95,8 +98,9 @@ BACKWARD_SCHEDULES = {
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
 DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV tile transposed (TritonTiles.dq_tile)
+DQ_KEYS = DQ_TILE_KEYS + ("dq_max_registers",)  # what only the two-launch schedules' dQ kernel has
 FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_schedule")  # forced: no table cap
-ZERO_MEANS_DEFAULT = DQ_TILE_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
+ZERO_MEANS_DEFAULT = DQ_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
 FLAG_KEYS = ("forward_separate_ragged_end",)  # tile settings that are 0 or 1
 
 # Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and
@@ -157,6 +161,7 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       pay was the dQ kernel's own tile (session 10): its default, the 32 x 128 tile transposed (128 query
       rows against 32 keys, 4 warps), spills; 128 x 64 with 8 warps does not, and with TMA loads in two
       launches it took dense d = 64 problems +4% to +10% past the previous table except 1k causal (below).
+      Packed d = 64 batches (session 16) take the same two launches, their dQ kernel capped at 128 registers.
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """
@@ -177,8 +182,12 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # 128 x 64 / 8-warp tile (session 10, dense fwd+bwd in one run against the previous table: +5..+7% /
             # +5% / +5% at 1k / 4k / 16k non-causal, +5..+10% / +4% at 4k / 16k causal; at 1k causal the one launch
             # stayed ahead, 239 / 225 against 205; session 16, 64 packed log-uniform lengths up to 8k, 32 heads:
-            # 30.69 / 16.78 ms against 30.72 / 17.37 in one launch, non-causal / causal)
-            backward = dict(backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
+            # 30.69 / 16.78 ms against 30.72 / 17.37 in one launch, non-causal / causal). Packed batches cap that dQ
+            # kernel at 128 registers, so that two programs share an SM as in a dense batch (triton 3.6, sm_90:
+            # 207 / 176 registers packed non-causal / causal, 126 / 128 dense; capped, 276 / 40 bytes of spills;
+            # session 16: the packed dQ kernel 7.29 / 4.34 ms against 10.15 / 5.57 uncapped, dense 6.94 / 3.83)
+            backward = dict(backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8,
+                            dq_max_registers=128 if problem.varlen else 0)
         else:
             backward = dict(backward_schedule=int(hopper_16bit and problem.seqlen_k < 16384))
         # banded problems below 4k keys on Hopper: 64 query rows (106 registers, 57 KB of shared memory, so three
@@ -188,7 +197,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         # packed batches with 8 warps: at most 128 registers, so that two programs share an SM as in a dense batch
         # (triton 3.6, sm_90, 128 x 64 non-causal: 146 registers packed, 107 dense; 127 with the cap, no spills;
         # session 15 measured the packed non-causal forward at 10.61 ms against the dense 7.10, causal (122
-        # registers) 3.87 against 3.84; session 16 with the cap: 7.30 / 3.83 ms against the dense 6.90 / 3.56)
+        # registers) 3.87 against 3.84; session 16 with the cap: 7.30 / 3.83 ms against the dense 6.90 / 3.56;
+        # the packed dQ kernel likewise, above)
         cap = 128 if hopper_forward and problem.varlen and warps == 8 else 0
         return TritonTiles(block_m, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
                            forward_separate_ragged_end=_separate_ragged_end(problem), forward_max_registers=cap,

@@ -321,7 +321,8 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
         attention_bwd_dq_kernel, (query_programs, p.batch * p.nheads),
         (q, k, v, grad_out, *descriptors, lse, delta, dq, slopes, mask, cu_q, cu_k),
         (*inputs, *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
-        BLOCK_M=dq_rows, BLOCK_N=dq_keys, **dict(bwd, num_warps=dq_warps))
+        BLOCK_M=dq_rows, BLOCK_N=dq_keys, **dict(bwd, num_warps=dq_warps),
+        **({"maxnreg": tiles.dq_max_registers} if tiles.dq_max_registers else {}))
     return dq, dk, dv
 
 
