@@ -39,9 +39,9 @@
 #                                             # 64 x 32k, under 16-key tiles and split counts (kernels replayed
 #                                             # from CUDA graphs), then the API call beside SDPA
 #   bash benchmarks/h200_runbook.sh batch1    # the batch-1 decode kernel under explicit split counts and 2 / 3 stages
-#                                             # (1 x 128k is 0.2-0.7% under 3.8 TB/s, fifteenth session)
+#                                             # (run in the sixteenth session: 3 stages at two waves now the table's)
 #   bash benchmarks/h200_runbook.sh packedd64 # the packed d = 64 forward under a 128-register cap against the dense
-#                                             # rate (the cap prepared on branch prepared/packed-d64-forward-register-cap)
+#                                             # rate (run in the sixteenth session: the cap is now the table's)
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
@@ -179,9 +179,8 @@ case $stage in
       --tiles 64x4x2,64x4x3,16x2x8 --splits 16,33,40,49,56,64,66 --top 8 > "$out/batch1.txt" 2>&1
     grep -v "^ *$" "$out/batch1.txt" ;;
   packedd64)
-    # the packed d = 64 forward (146 registers, one program per SM) at the table's tile with and without a cap of
-    # 128 registers (two programs per SM), against the dense rate; branch prepared/packed-d64-forward-register-cap
-    # puts the cap in the table
+    # the packed d = 64 forward at the table's tile (capped at 128 registers since the sixteenth session) and
+    # forced to it with the cap, against the dense rate
     timeout 200 python benchmarks/varlen_vs_dense.py --skip-padded --headdim 64 --heads 32 \
       --fwd-tiles 128x64w8s3 --fwd-max-registers 128 > "$out/packed-d64.txt" 2>&1
     grep "dense\|varlen" "$out/packed-d64.txt" | cut -c1-160 ;;
