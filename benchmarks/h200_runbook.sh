@@ -42,12 +42,15 @@
 #                                             # (run in the sixteenth session: 3 stages at two waves now the table's)
 #   bash benchmarks/h200_runbook.sh packedd64 # the packed d = 64 forward under a 128-register cap against the dense
 #                                             # rate (run in the sixteenth session: the cap is now the table's)
+#   bash benchmarks/h200_runbook.sh smallpages # the small paged decode cells still under 0.9x SDPA by kernel time
+#                                             # (1 x 4k pages of 16, 1 x 32k pages of 16 / 256; sixteenth session)
+#                                             # under more tiles and split counts, graph replay
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward (with the row fix) and the table's TMA
 #                                             # forward + backward rerun beside the GPU suite, counting runs that
 #                                             # differ bitwise
 # Results go to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd, dqtile, hostab, decodehost, page16 or wsstress}
+stage=${1:?stage: tests, verify, grid128, grid64, decode, schedules, backward, host, varlen, forward, fwdgrid, bwdhost, hostkernel, d64bwd, dqtile, hostab, decodehost, page16, batch1, packedd64, smallpages or wsstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -184,6 +187,10 @@ case $stage in
     timeout 200 python benchmarks/varlen_vs_dense.py --skip-padded --headdim 64 --heads 32 \
       --fwd-tiles 128x64w8s3 --fwd-max-registers 128 > "$out/packed-d64.txt" 2>&1
     grep "dense\|varlen" "$out/packed-d64.txt" | cut -c1-160 ;;
+  smallpages)
+    timeout 300 python benchmarks/tune_decode.py --variants --cells 1x4096x16,1x32768x16,1x32768x256,1x4096x0 \
+      --tiles 16x2x8,16x4x8,16x2x4,32x2x6,32x4x4,64x4x2,64x4x3 --split-factors 1,2,4 --top 6 > "$out/smallpages.txt" 2>&1
+    grep -v "^ *$" "$out/smallpages.txt" ;;
   wsstress)
     # contention is where the one differing run appeared (fifth session): the suite on 11 workers beside it
     FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \
