@@ -7,7 +7,6 @@ the installed triton (not the GPU machine's) catches code-generation errors the 
 """
 
 import json
-import math
 import sys
 
 import triton
@@ -20,7 +19,7 @@ from flashtile.triton.decode import attention_decode_combine_kernel, attention_d
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 from flashtile.triton.configs import default_tiles
-from flashtile.triton.launch import default_decode_tile
+from flashtile.triton.launch import default_decode_tile, page_chunk
 from flashtile._validate import AttentionProblem
 
 FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out"}
@@ -127,7 +126,7 @@ def main():
                                             MASK_KIND=0 if varlen or dq_tma else 2, VARLEN=varlen, USE_TMA=dq_tma),
                                        dq_ptrs if dq_tma else bwd_ptrs, dq_warps, stages))
         # the one-launch kernel where the sm_90 table can take it (fp16 / bf16): fp32 keeps two launches there, and
-        # its full-precision FMA form of this kernel took 2 of the CI machine's ~8 minutes of compiling
+        # its full-precision FMA form of this kernel took 123 s of the 463 s this script ran on a CI-sized machine
         if dtype != "fp32":
             one_launch_tma = not varlen
             results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
@@ -141,13 +140,14 @@ def main():
                        "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
         # paged bf16 with both page tiles (16-key blocks for pages of 16, 64-key blocks for pages of 256)
         for large_pages in (False, True) if paged and headdim == 128 else (False,):
-            decode_tile = default_decode_tile((256 if large_pages else 16) if paged else None, split=split)
+            page_size = (256 if large_pages else 16) if paged else None
+            decode_tile = default_decode_tile(page_size, split=split)
             pages = " large-pages" if large_pages else ""
             results.append(compile_variant(
                 f"decode{' paged' if paged else ''}{pages}{' split' if split else ''} {tag}",
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
-                     PAGE_CHUNK=math.gcd(decode_tile.block_n, (256 if large_pages else 16) if paged else 16),
+                     PAGE_CHUNK=page_chunk(decode_tile.block_n, page_size),
                      SPLIT=split, STORE_LSE=not split),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,

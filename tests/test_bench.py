@@ -39,8 +39,8 @@ def quick_run(tmp_path_factory):
     # conftest switches Triton's interpreter on for the CPU suite; the bench must see the environment a
     # user's shell has, where the Triton backend does not serve CPU tensors (interpreted it takes minutes)
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    # a call limit well above a CPU call's ~0.1-0.5 s: beside a busy test machine's other workers the torch rows
-    # took 2.6-3.4 s a call (GPU machine, 16 workers) and the default 2 s skipped them
+    # a call limit well above the default 2 s: beside a busy test machine's other workers the torch rows took
+    # 2.6-3.4 s a call (GPU machine, 16 workers) and the default skipped them
     process = subprocess.run([sys.executable, "-m", "flashtile", "bench", "--device", "cpu", "--quick",
                               "--max-call-seconds", "30", "--json", str(json_path), "--plot", str(png_path)],
                              capture_output=True, text=True, timeout=600, env=env)

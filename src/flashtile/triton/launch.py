@@ -203,10 +203,11 @@ def _outputs(q, problem: AttentionProblem, packed: bool):
     return out, lse
 
 
-def _register_cap(tiles: TritonTiles) -> dict:
-    """Triton's maxnreg launch option for the TMA forward, where the tiles set a cap (the cap was measured with that
-    kernel; the pointer kernel, which a call reaches when its tensors are not TMA-ready, runs without one)."""
-    return {"maxnreg": tiles.forward_max_registers} if tiles.forward_max_registers else {}
+def _register_cap(registers: int) -> dict:
+    """Triton's maxnreg launch option for a register cap per thread (0: none). The tiles set caps for the TMA
+    forward (forward_max_registers; the pointer kernel, which a call reaches when its tensors are not TMA-ready,
+    runs without one) and the two-launch backward's dQ kernel (dq_max_registers)."""
+    return {"maxnreg": registers} if registers else {}
 
 
 def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TritonTiles,
@@ -243,7 +244,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
              slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen,
-            SEPARATE_RAGGED_END=bool(tiles.forward_separate_ragged_end), **_register_cap(tiles), **flags)
+            SEPARATE_RAGGED_END=bool(tiles.forward_separate_ragged_end), **_register_cap(tiles.forward_max_registers), **flags)
         return out, lse
     launch(
         attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, mask, cu_q, cu_k),
@@ -321,8 +322,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
         attention_bwd_dq_kernel, (query_programs, p.batch * p.nheads),
         (q, k, v, grad_out, *descriptors, lse, delta, dq, slopes, mask, cu_q, cu_k),
         (*inputs, *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
-        BLOCK_M=dq_rows, BLOCK_N=dq_keys, **dict(bwd, num_warps=dq_warps),
-        **({"maxnreg": tiles.dq_max_registers} if tiles.dq_max_registers else {}))
+        BLOCK_M=dq_rows, BLOCK_N=dq_keys, **dict(bwd, num_warps=dq_warps), **_register_cap(tiles.dq_max_registers))
     return dq, dk, dv
 
 
@@ -375,6 +375,12 @@ DECODE_TILE_CONTIGUOUS_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=3,
 DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
 
 
+def page_chunk(block_n: int, page_size: int | None) -> int:
+    """Keys per page lookup in a key block (the decode kernel's PAGE_CHUNK): block_n where it divides the page size
+    (and for a contiguous cache), else the runs of gcd(block_n, page_size) keys that lie in one page."""
+    return math.gcd(block_n, page_size or block_n)
+
+
 def default_decode_tile(page_size: int | None, split: bool = False) -> DecodeTile:
     """The decode tile for a contiguous cache (page_size None) or a paged one; split: whether the launch splits
     each sequence's keys (a contiguous cache, and pages that are not a multiple of 64 keys, then take their own)."""
@@ -421,18 +427,17 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
     block_m = min(64, max(16, _next_power_of_2(rows)))
     row_blocks = _cdiv(rows, block_m)
 
-    def split_count(tile: DecodeTile) -> int:
+    def key_blocks_and_splits(tile: DecodeTile) -> tuple[int, int]:
         key_blocks = max(1, _cdiv(problem.seqlen_k, tile.block_n))
-        return num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
-                                               _sm_count(problem.device), tile.waves)
+        return key_blocks, num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
+                                                           _sm_count(problem.device), tile.waves)
 
     if tile is None:
         # the layout's tile for split launches where the keys do end up split, else its unsplit tile
         tile = default_decode_tile(page_size, split=True)
-        if split_count(tile) == 1:
+        if key_blocks_and_splits(tile)[1] == 1:
             tile = default_decode_tile(page_size)
-    key_blocks = max(1, _cdiv(problem.seqlen_k, tile.block_n))
-    splits = split_count(tile)
+    key_blocks, splits = key_blocks_and_splits(tile)
     blocks_per_split = _cdiv(key_blocks, max(1, min(splits, key_blocks)))
     return DecodeGeometry(block_m, row_blocks, tile.block_n, _cdiv(key_blocks, blocks_per_split),
                           blocks_per_split, tile.num_warps, tile.num_stages)
@@ -476,7 +481,7 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
          call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale,
          softcap_out, window_left, window_right),
         dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
-             PAGE_CHUNK=math.gcd(shape.block_n, call.page_size or shape.block_n),
+             PAGE_CHUNK=page_chunk(shape.block_n, call.page_size),
              SPLIT=shape.splits > 1, STORE_LSE=store_lse,
              num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
     combine, part_floats = None, (0, 0)
