@@ -245,8 +245,16 @@ def test_tile_table_uses_tma_only_where_it_was_measured_to_pay():
     short = default_tiles(dataclasses.replace(base, seqlen_q=1024, seqlen_k=1024), (9, 0))
     assert (short.block_n, short.num_stages, short.forward_max_registers) == (64, 2, 128), short
     assert short.forward_separate_ragged_end == 0 and default_tiles(base, (9, 0)).forward_separate_ragged_end == 1
+    # d = 128 causal below 4k keys: 64 x 64 forward tiles with 4 warps, and the two-launch backward with 4-warp
+    # dK/dV tiles and a dQ kernel capped at 128 registers (two programs per SM in each kernel); 4k keys keep 128 x 128
     short_causal = default_tiles(dataclasses.replace(base, seqlen_k=1024, window_right=0), (9, 0))
-    assert (short_causal.block_n, short_causal.forward_max_registers) == (128, 0), short_causal
+    assert (short_causal.block_m, short_causal.block_n, short_causal.num_warps) == (64, 64, 4), short_causal
+    assert (short_causal.backward_schedule, short_causal.bwd_num_warps, short_causal.dq_max_registers) == (2, 4, 128)
+    long_causal = default_tiles(dataclasses.replace(base, seqlen_k=4096, window_right=0), (9, 0))
+    assert (long_causal.block_m, long_causal.block_n, long_causal.backward_schedule) == (128, 128, 3), long_causal
+    windowed = default_tiles(dataclasses.replace(base, seqlen_k=1024, window_left=256, window_right=0), (9, 0))
+    assert (windowed.block_m, windowed.block_n) == (128, 64), windowed
+    assert default_tiles(dataclasses.replace(base, seqlen_k=1024, window_right=0, varlen=True), (9, 0)).block_m == 128
     assert default_tiles(dataclasses.replace(base, window_right=0), (9, 0)).forward_separate_ragged_end == 0
     assert default_tiles(dataclasses.replace(d64, seqlen_k=1024, window_right=0), (9, 0)).block_m == 64
     assert default_tiles(dataclasses.replace(d64, window_right=0), (9, 0)).block_m == 128
@@ -594,7 +602,8 @@ def test_checked_descriptors_equal_triton_descriptors_field_for_field():
 def test_dq_kernel_with_its_own_tile_follows_the_eager_rule(schedule, scenario, shape, seed):
     """The two-launch backward with a dQ tile that is not the dK/dV tile transposed (32 query rows against
     16 keys per step, where the transposed dK/dV tile would be 16 rows against 32 keys): gradients within the
-    eager rule against float64; dk and dv bitwise those of the default dQ tile (the dK/dV kernel is the same)."""
+    eager rule against float64; dk and dv those of the default dQ tile (the dK/dV kernel is the same; bitwise in the
+    interpreter)."""
     dtype = torch.float16
     q, k, v, kwargs, _ = _scenario_call(scenario, shape, dtype)
     tiles = dict(backward_schedule=schedule, bwd_block_m=32, bwd_block_n=16)
@@ -610,7 +619,12 @@ def test_dq_kernel_with_its_own_tile_follows_the_eager_rule(schedule, scenario, 
     with flashtile.use_backend("triton", dq_block_m=0, dq_block_n=0, dq_num_warps=0, **tiles):
         default = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, **kwargs), (q, k, v), grad_out)
     for name, a, b in zip(("dk", "dv"), own[1:], default[1:]):
-        assert torch.equal(a, b), f"{name} changed with the dQ tile"
+        if INTERPRETED:
+            assert torch.equal(a, b), f"{name} changed with the dQ tile"
+        else:
+            # the dQ kernel computes each row's delta for the dK/dV kernel, and a compiled row sum's order follows
+            # the tile's layout (H200: 1 of 18 cases differed in the last bits)
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=f"{name} changed with the dQ tile")
 
 
 def test_dq_tile_settings_are_validated_and_reported():

@@ -67,9 +67,15 @@ def attention_bwd_preprocess_kernel(Out, dOut, dLse, Delta,
 
 
 @triton.jit
+def _lse_to_base2(lse):
+    """Base-2 lse, +inf for rows that saw no key (lse -inf), so that exp2(s - lse) = 0 there."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
 def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, CHECK_ROWS: tl.constexpr):
-    """Base-2 lse (+inf for rows that saw no key, so exp2(s - lse) = 0 there) and delta of rows offs_m
-    (CHECK_ROWS false: the caller knows every row lies inside the sequence)."""
+    """Base-2 lse (_lse_to_base2) and delta of rows offs_m (CHECK_ROWS false: the caller knows every row lies
+    inside the sequence)."""
     if CHECK_ROWS:
         row_ok = offs_m < seqlen_q
         lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))
@@ -77,8 +83,7 @@ def _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, CHECK_ROWS: tl.const
     else:
         lse = tl.load(Lse + row_base + offs_m)
         delta = tl.load(Delta + row_base + offs_m)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # to base 2
-    return lse2, delta
+    return _lse_to_base2(lse), delta
 
 
 @triton.jit
@@ -305,9 +310,9 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, 
 
 
 @triton.jit
-def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, Mask, b, h, hk, q_start, k_start,
-                    stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
-                    stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
+def _dq_query_block(m0, Q, K, V, dOut, Out, k_desc, v_desc, Lse, Delta, dLse, dQ, Slopes, Mask, b, h, hk, q_start,
+                    k_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
+                    stride_om, stride_oh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
                     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
                     seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                     diagonal_offset, window_left, window_right,
@@ -315,8 +320,9 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                    VARLEN: tl.constexpr):
-    """dQ of query rows [m0, m0 + BLOCK_M) of one (batch entry, head); the pointers are at the entry's row 0."""
+                    VARLEN: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """dQ of query rows [m0, m0 + BLOCK_M) of one (batch entry, head); the pointers are at the entry's row 0.
+    COMPUTE_DELTA: compute these rows' delta from Out and dO (and dLse) and store it, instead of reading it."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -326,8 +332,19 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
     do = tl.load(dOut + h * stride_doh + rows * stride_dom + offs_dv[None, :],
                  mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-    lse2, delta = _load_row_stats(Lse, Delta, b * stride_lse_b + h * stride_lse_h + q_start, offs_m, seqlen_q,
-                                   True)
+    row_base = b * stride_lse_b + h * stride_lse_h + q_start
+    if COMPUTE_DELTA:
+        # the two-launch schedules run this kernel first: it holds dO already, so its delta costs one read of O
+        # instead of a preprocess launch that reads both (the dK/dV kernel, launched next, reads what is stored)
+        o = tl.load(Out + h * stride_oh + rows * stride_om + offs_dv[None, :],
+                    mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        if HAS_DLSE:
+            delta -= tl.load(dLse + row_base + offs_m, mask=row_ok, other=0.0)
+        tl.store(Delta + row_base + offs_m, delta, mask=row_ok)
+        lse2 = _lse_to_base2(tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")))
+    else:
+        lse2, delta = _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, True)
     k_src = K + hk * stride_kh
     v_src = V + hk * stride_vh
     b32, row0 = descriptor_origin(b, k_start, VARLEN)
@@ -360,10 +377,11 @@ def _dq_query_block(m0, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, M
 
 
 @triton.jit
-def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ, Slopes, Mask,
-                CuSeqlensQ, CuSeqlensK,
+def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Out, k_desc, v_desc, Lse, Delta, dLse, dQ, Slopes,
+                Mask, CuSeqlensQ, CuSeqlensK,
                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
+                stride_dob, stride_dom, stride_doh, stride_ob, stride_om, stride_oh, stride_dqb, stride_dqm, stride_dqh,
+                stride_lse_b, stride_lse_h,
                 stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
                 seqlen_q, seqlen_k,
                 sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
@@ -371,41 +389,48 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, k_desc, v_desc, 
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
-    """The dQ work of program pid_m of query_programs for (batch entry b, query head h of K/V head hk)."""
+                USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, COMPUTE_DELTA: tl.constexpr,
+                HAS_DLSE: tl.constexpr):
+    """The dQ work of program pid_m of query_programs for (batch entry b, query head h of K/V head hk)
+    (COMPUTE_DELTA: see _dq_query_block)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
         CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
     q_ptr = Q + b * stride_qb + q_start * stride_qm
     k_ptr = K + b * stride_kb + k_start * stride_kn
     v_ptr = V + b * stride_vb + k_start * stride_vn
     do_ptr = dOut + b * stride_dob + q_start * stride_dom
+    o_ptr = Out + b * stride_ob + q_start * stride_om
     dq_ptr = dQ + b * stride_dqb + q_start * stride_dqm
     if VARLEN:
         for m0 in range(pid_m * BLOCK_M, seqlen_q, query_programs * BLOCK_M):
-            _dq_query_block(m0, q_ptr, k_ptr, v_ptr, do_ptr, k_desc, v_desc, Lse, Delta, dq_ptr, Slopes, Mask, b, h, hk,
-                            q_start, k_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                            stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
+            _dq_query_block(m0, q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, k_desc, v_desc, Lse, Delta, dLse, dq_ptr, Slopes,
+                            Mask, b, h, hk, q_start, k_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn,
+                            stride_vh, stride_dom, stride_doh, stride_om, stride_oh, stride_dqm, stride_dqh,
+                            stride_lse_b, stride_lse_h, stride_slopes_b,
                             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                             score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                             HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
+                            HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN, COMPUTE_DELTA,
+                            HAS_DLSE)
     else:
-        _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, k_desc, v_desc, Lse, Delta, dq_ptr, Slopes, Mask,
-                        b, h, hk, q_start, k_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                        stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b,
+        _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, k_desc, v_desc, Lse, Delta, dLse, dq_ptr,
+                        Slopes, Mask, b, h, hk, q_start, k_start, stride_qm, stride_qh, stride_kn, stride_kh,
+                        stride_vn, stride_vh, stride_dom, stride_doh, stride_om, stride_oh, stride_dqm, stride_dqh,
+                        stride_lse_b, stride_lse_h, stride_slopes_b,
                         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
                         HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
+                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN, COMPUTE_DELTA, HAS_DLSE)
 
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, dOut, q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, dOut, Out, q_desc, k_desc, v_desc, do_desc, Lse, Delta, dLse, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
+    stride_ob, stride_om, stride_oh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h,
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
@@ -415,17 +440,21 @@ def attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
+    """The two-launch schedules' first kernel: dQ, and each query row's delta = rowsum(dO * O) - dLse (HAS_DLSE),
+    stored in Delta for the dK/dV kernel launched after it."""
     b, h, hk = program_heads(tl.program_id(1), nheads, group_size)
-    _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, k_desc, v_desc, Lse, Delta, dQ,
-                Slopes, Mask,
+    _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, Out, k_desc, v_desc, Lse, Delta, dLse,
+                dQ, Slopes, Mask,
                 CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb,
-                stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+                stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_ob, stride_om, stride_oh, stride_dqb,
+                stride_dqm, stride_dqh,
                 stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m,
                 stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset,
                 window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT,
-                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2)
+                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2, True,
+                HAS_DLSE)
 
 
 @triton.jit
@@ -472,12 +501,14 @@ def attention_bwd_kernel(
         # the dQ programs use the transposed tile: BLOCK_N query rows against BLOCK_M keys
         r = pid - dkdv_programs
         h = (r // query_programs).to(tl.int64)
-        _dq_program(r % query_programs, query_programs, b, h, h // group_size, Q, K, V, dOut, k_desc, v_desc, Lse,
-                    Delta, dQ,
+        # delta comes from the preprocess kernel here (a dK/dV program may run before the dQ program of its rows):
+        # no Out or dLse to read (dOut stands in for them, never read)
+        _dq_program(r % query_programs, query_programs, b, h, h // group_size, Q, K, V, dOut, dOut, k_desc, v_desc,
+                    Lse, Delta, Lse, dQ,
                     Slopes, Mask, CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
-                    stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb,
+                    stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, 0, 0, 0, stride_dqb,
                     stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_slopes_b, stride_mask_b, stride_mask_h,
                     stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale,
                     softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                     BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN,
-                    USE_TMA, SCALE_IN_EXP2)
+                    USE_TMA, SCALE_IN_EXP2, False, False)

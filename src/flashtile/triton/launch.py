@@ -275,12 +275,6 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     has_dlse = grad_lse is not None
     grad_lse = grad_lse.float().contiguous() if has_dlse else lse  # never read without HAS_DLSE
     delta = torch.empty_like(lse)
-    # rows are independent here: a packed batch is one long sequence to the preprocess kernel
-    rows, batch = out.shape[1], out.shape[0]
-    launch(
-        attention_bwd_preprocess_kernel, (_cdiv(rows, 64), batch * p.nheads), (out, grad_out, grad_lse, delta),
-        (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows),
-        HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
     inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
               *_row_strides(grad_out, batch_q))
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
@@ -303,6 +297,13 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), dq_rows))
     if tiles.backward_one_launch and k.shape[1] > 0:
+        # a dK/dV program may run before the dQ program of its query rows: delta from a launch of its own. Rows
+        # are independent there: a packed batch is one long sequence to the preprocess kernel
+        rows, batch = out.shape[1], out.shape[0]
+        launch(
+            attention_bwd_preprocess_kernel, (_cdiv(rows, 64), batch * p.nheads), (out, grad_out, grad_lse, delta),
+            (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows),
+            HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
         launch(
             attention_bwd_kernel, (key_programs * p.nheads_k + query_programs * p.nheads, p.batch),
             (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k),
@@ -310,6 +311,16 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
              p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
         return dq, dk, dv
+    # two launches: the dQ kernel first, which also computes each query row's delta (its programs hold the rows'
+    # dO already) and stores it for the dK/dV kernel; its tile is by default the dK/dV tile transposed
+    # (bwd_block_n query rows against bwd_block_m keys)
+    launch(
+        attention_bwd_dq_kernel, (query_programs, p.batch * p.nheads),
+        (q, k, v, grad_out, out, *descriptors, lse, delta, grad_lse, dq, slopes, mask, cu_q, cu_k),
+        (*inputs, *_row_strides(out, batch_q), *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k,
+         *scalars),
+        BLOCK_M=dq_rows, BLOCK_N=dq_keys, HAS_DLSE=has_dlse, **dict(bwd, num_warps=dq_warps),
+        **_register_cap(tiles.dq_max_registers))
     if k.shape[1] > 0:
         launch(
             attention_bwd_dkdv_kernel, (key_programs, p.batch * p.nheads_k),
@@ -317,12 +328,6 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
             (*inputs, *dk_strides, *dv_strides, *stats, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k,
              *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
-    # the dQ kernel's tile: by default the dK/dV tile transposed (bwd_block_n query rows against bwd_block_m keys)
-    launch(
-        attention_bwd_dq_kernel, (query_programs, p.batch * p.nheads),
-        (q, k, v, grad_out, *descriptors, lse, delta, dq, slopes, mask, cu_q, cu_k),
-        (*inputs, *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
-        BLOCK_M=dq_rows, BLOCK_N=dq_keys, **dict(bwd, num_warps=dq_warps), **_register_cap(tiles.dq_max_registers))
     return dq, dk, dv
 
 
