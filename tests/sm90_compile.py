@@ -68,7 +68,8 @@ def main():
         plain = dict(HAS_ALIBI=False, SCALE_IN_EXP2=True) if dtype == "bf16" and headdim == 128 else {}
         fwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32", "Slopes": "*fp32", "Mask": "*u8",
                     "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
-        bwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "dOut": ptr, "Lse": "*fp32", "Delta": "*fp32", "dK": ptr,
+        bwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "dOut": ptr, "Out": ptr, "Lse": "*fp32", "Delta": "*fp32",
+                    "dLse": "*fp32", "dK": ptr,
                     "dV": ptr, "dQ": ptr, "Slopes": "*fp32", "Mask": "*u8",
                     "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
         tag = f"{dtype} d{headdim} {'causal' if causal else 'full'}"
@@ -123,7 +124,8 @@ def main():
         dq_label = f"bwd-dq {dq_rows}x{dq_keys}w{dq_warps}{' tma' if dq_tma else ''} {tag_varlen}"
         results.append(compile_variant(dq_label, attention_bwd_dq_kernel,
                                        dict(flags, BLOCK_M=dq_rows, BLOCK_N=dq_keys,
-                                            MASK_KIND=0 if varlen or dq_tma else 2, VARLEN=varlen, USE_TMA=dq_tma),
+                                            MASK_KIND=0 if varlen or dq_tma else 2, VARLEN=varlen, USE_TMA=dq_tma,
+                                            HAS_DLSE=causal),
                                        dq_ptrs if dq_tma else bwd_ptrs, dq_warps, stages))
         # the one-launch kernel where the sm_90 table can take it (fp16 / bf16): fp32 keeps two launches there, and
         # its full-precision FMA form of this kernel took 123 s of the 463 s this script ran on a CI-sized machine

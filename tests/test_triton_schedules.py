@@ -576,7 +576,7 @@ def test_backward_schedule_is_validated_and_reported():
     assert "attention_bwd_kernel, the dK/dV and dQ programs in one launch" in text, text
     with flashtile.use_backend("triton"):
         text = str(flashtile.explain(q, q, q))
-    assert "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel" in text, text
+    assert "attention_bwd_dq_kernel (which also computes each row's delta), then attention_bwd_dkdv_kernel" in text, text
 
 
 def test_checked_descriptors_equal_triton_descriptors_field_for_field():
@@ -599,7 +599,7 @@ def test_checked_descriptors_equal_triton_descriptors_field_for_field():
 @pytest.mark.parametrize("schedule", (0, 2), ids=("pointer-loads", "tma"))
 @pytest.mark.parametrize("scenario", ("plain", "causal", "everything"))
 @pytest.mark.parametrize("shape", ("mha-square", "gqa-short-q-dv", "mqa-long-q"))
-def test_dq_kernel_with_its_own_tile_follows_the_eager_rule(schedule, scenario, shape, seed):
+def test_dq_kernel_with_its_own_tile_follows_the_eager_rule(monkeypatch, schedule, scenario, shape, seed):
     """The two-launch backward with a dQ tile that is not the dK/dV tile transposed (32 query rows against
     16 keys per step, where the transposed dK/dV tile would be 16 rows against 32 keys): gradients within the
     eager rule against float64; dk and dv those of the default dQ tile (the dK/dV kernel is the same; bitwise in the
@@ -607,6 +607,8 @@ def test_dq_kernel_with_its_own_tile_follows_the_eager_rule(schedule, scenario, 
     dtype = torch.float16
     q, k, v, kwargs, _ = _scenario_call(scenario, shape, dtype)
     tiles = dict(backward_schedule=schedule, bwd_block_m=32, bwd_block_n=16)
+    # two launches: the dQ kernel computes delta (a wrong or missing delta breaks dk and dv against the oracle)
+    monkeypatch.setattr(launch, "attention_bwd_preprocess_kernel", _MustNotLaunch())
     with flashtile.use_backend("triton", dq_block_m=32, dq_block_n=16, dq_num_warps=2, **tiles):
         got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
     assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),

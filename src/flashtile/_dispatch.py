@@ -119,8 +119,8 @@ class TritonBackend:
 
     name = "triton"
     kernel = ("flashtile.triton: attention_fwd_kernel / attention_fwd_tma_kernel; backward "
-              "attention_bwd_preprocess_kernel, then attention_bwd_kernel or attention_bwd_dkdv_kernel + "
-              "attention_bwd_dq_kernel; KV cache "
+              "attention_bwd_preprocess_kernel then attention_bwd_kernel (one launch), or attention_bwd_dq_kernel "
+              "(which also computes delta) then attention_bwd_dkdv_kernel (two launches); KV cache "
               "attention_decode_kernel (+ attention_decode_combine_kernel when split)")
     tile_keys = triton_configs.TILE_KEYS
 

@@ -1,17 +1,22 @@
 """Recompute-based attention backward pass in Triton (FA2 schedule, deterministic).
 
-Three kernels (backward schedule 0; schedule 1 runs 2 and 3 as one launch, attention_bwd_kernel):
-1. preprocess: delta = rowsum(dO * O) - dlse per query row (d lse / d s = P, so a cotangent on lse
-   enters the softmax Jacobian's row term).
+Two schedules of the same arithmetic. Two launches (backward schedules 0 and 2):
+1. dQ: one program per (query block, batch * head), streaming key blocks read transposed from
+   memory: dQ += dS K. It holds its rows' dO already, so it also computes their delta = rowsum(dO * O)
+   - dlse (d lse / d s = P, so a cotangent on lse enters the softmax Jacobian's row term) and stores it
+   for the next kernel: one read of O instead of a preprocess launch that reads O and dO again (H200,
+   session 17, d = 64, 16 x 1k tokens, 32 heads: the dQ kernel 372 -> 392 us, the 36 us preprocess gone).
 2. dK/dV: one program per (key block, batch * K/V head). It loads its K and V block once, then for
    each query head that shares the K/V head (grouped-query attention: the sum over the group
    happens in registers, no atomics, nothing repeated) streams the query blocks that can see the
    key block, recomputing P = exp2(S - lse) from the saved log-sum-exp, and accumulates
    dV += P^T dO and dK += dS^T Q with dS = P * (dP - delta), dP = dO V^T. Its tiles are computed
    transposed (keys as rows: S^T = K Q^T), so P^T and dS^T feed the matmuls directly.
-3. dQ: one program per (query block, batch * head), streaming key blocks read transposed from
-   memory: dQ += dS K. It uses the dK/dV tile transposed (many query rows, few keys).
-dQ in its own kernel (instead of atomics from the dK/dV kernel) costs two extra matmuls per tile
+One launch (schedules 1 and 3, attention_bwd_kernel): both kinds of program share the GPU, so a dK/dV
+program may run before the dQ program of its rows; delta comes from attention_bwd_preprocess_kernel,
+launched first. The dQ programs use the dK/dV tile transposed (many query rows, few keys); the
+two-launch dQ kernel may take a tile of its own.
+dQ in its own programs (instead of atomics from the dK/dV programs) costs two extra matmuls per tile
 but makes every gradient bitwise reproducible.
 
 With USE_TMA (backward schedules 2 and 3) the tiles a program streams (Q and dO in dK/dV,

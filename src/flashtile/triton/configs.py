@@ -86,12 +86,14 @@ FORWARD_SCHEDULES = {
 }
 
 BACKWARD_SCHEDULES = {
-    0: "attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel",
-    1: "attention_bwd_kernel, the dK/dV and dQ programs in one launch",
-    2: ("attention_bwd_dkdv_kernel, then attention_bwd_dq_kernel, streamed tiles loaded through host-side TMA "
+    0: "attention_bwd_dq_kernel (which also computes each row's delta), then attention_bwd_dkdv_kernel",
+    1: "attention_bwd_preprocess_kernel, then attention_bwd_kernel, the dK/dV and dQ programs in one launch",
+    2: ("attention_bwd_dq_kernel (which also computes each row's delta), then attention_bwd_dkdv_kernel, streamed "
+        "tiles loaded through host-side TMA "
         "descriptors when strides are 16-byte aligned and there is no attn_mask (packed batches: the interior "
         "blocks; their edge blocks by pointer loads)"),
-    3: ("attention_bwd_kernel, the dK/dV and dQ programs in one launch, streamed tiles loaded through host-side "
+    3: ("attention_bwd_preprocess_kernel, then attention_bwd_kernel, the dK/dV and dQ programs in one launch, "
+        "streamed tiles loaded through host-side "
         "TMA descriptors when strides are 16-byte aligned and there is no attn_mask (packed batches: the interior "
         "blocks; their edge blocks by pointer loads)"),
 }
