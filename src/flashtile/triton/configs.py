@@ -164,6 +164,9 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
       rows against 32 keys, 4 warps), spills; 128 x 64 with 8 warps does not, and with TMA loads in two
       launches it took dense d = 64 problems +4% to +10% past the previous table except 1k causal (below).
       Packed d = 64 batches (session 16) take the same two launches, their dQ kernel capped at 128 registers.
+    - Short causal problems at d = 128 (session 17): two programs per SM in every kernel, a 64 x 64 / 4-warp
+      forward and a two-launch backward with 4-warp 32 x 64 dK/dV tiles and a dQ kernel capped at 128
+      registers (1k causal forward +14%, fwd+bwd +2..+5% in two of three runs; -3..-7% from 4k keys).
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """
