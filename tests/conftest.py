@@ -132,7 +132,8 @@ def attention_grads(out, lse, inputs, grad_out, grad_lse):
 def assert_attention_follows_the_eager_rule(got, want, eager, inputs, dtype, seed):
     """got / want / eager: (out, lse) from flashtile, the float64 oracle and the same formula evaluated
     eagerly in `dtype`. Checks out and lse, then dq, dk, dv through both (random cotangents), each within
-    2x the eager error + the rounding floor, and the dtypes flashtile returns."""
+    2x the eager error + the rounding floor, and the dtypes flashtile returns. Returns flashtile's (dq, dk, dv)
+    and the cotangents (grad_out, grad_lse) they were taken with, for callers that compare another run."""
     (out, lse), (ref_out, ref_lse), (eager_out, eager_lse) = got, want, eager
     assert out.dtype == dtype and lse.dtype == torch.float32, f"out {out.dtype}, lse {lse.dtype}"
     assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
@@ -142,3 +143,4 @@ def assert_attention_follows_the_eager_rule(got, want, eager, inputs, dtype, see
     for name, g, w, e in zip(("dq", "dk", "dv"), *grads):
         assert g.dtype == dtype, f"{name} has dtype {g.dtype}, expected {dtype}"
         assert_close_to_oracle(name, g, w, e, dtype, seed)
+    return grads[0], (grad_out, grad_lse)

@@ -407,26 +407,36 @@ def _with_backward_schedule(schedule, fn):
         return (out, lse) + tuple(attention_grads(out, lse, inputs, grad_out, grad_lse))
 
 
-def _scenario_call(scenario, shape, dtype):
-    """Inputs for SCENARIOS[scenario] on SHAPES[shape] and a call returning (out, lse, (q, k, v))."""
-    kwargs = SCENARIOS[scenario](SHAPES[shape])
-    q, k, v = random_qkv(*SHAPES[shape], dtype, requires_grad=True)
-
-    def call():
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-        return out, lse, (q, k, v)
-
-    return q, k, v, kwargs, call
+def _scenario_inputs(scenario, shape, dtype):
+    """q, k, v (requiring gradients) and the flash_attn_func options of SCENARIOS[scenario] on SHAPES[shape]."""
+    return (*random_qkv(*SHAPES[shape], dtype, requires_grad=True), SCENARIOS[scenario](SHAPES[shape]))
 
 
 def _assert_eager_rule_under_backward_schedule(schedule, q, k, v, kwargs, dtype, seed):
     """flash_attn_func under backward schedule `schedule` (ragged 16 x 32 backward tiles): out, lse and the
-    gradients within the eager rule against float64."""
+    gradients within the eager rule against float64. Returns (out, lse, dq, dk, dv) and the cotangents used."""
     with flashtile.use_backend("triton", backward_schedule=schedule, bwd_block_m=16, bwd_block_n=32):
         got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
-                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
-                                            seed)
+    grads, cotangents = assert_attention_follows_the_eager_rule(
+        got, flash_attn_reference(q, k, v, **kwargs), flash_attn_reference(q, k, v, dtype=dtype, **kwargs),
+        (q, k, v), dtype, seed)
+    return tuple(got) + tuple(grads), cotangents
+
+
+def _run_under_backward_schedule(schedule, q, k, v, kwargs, cotangents):
+    """(out, lse, dq, dk, dv) of flash_attn_func under backward schedule `schedule` (ragged 16 x 32 backward tiles),
+    the gradients taken with `cotangents` (grad_out, grad_lse)."""
+    with flashtile.use_backend("triton", backward_schedule=schedule, bwd_block_m=16, bwd_block_n=32):
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+        return (out, lse) + tuple(attention_grads(out, lse, (q, k, v), *cotangents))
+
+
+def _assert_bitwise_in_the_interpreter(first, second, what):
+    """(out, lse, dq, dk, dv) of two schedules: bitwise equal in the interpreter (the same arithmetic per program);
+    on a GPU two compiled kernels may order their instructions differently, and the callers' eager rule holds."""
+    if INTERPRETED:
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+            assert torch.equal(a, b), f"{name} differs between {what}"
 
 
 def _assert_one_launch_equals_two(monkeypatch, fn, atol_on_gpu):
@@ -450,9 +460,13 @@ def test_one_launch_backward_follows_the_eager_rule_and_equals_two_launches(monk
     """Backward schedule 1 (attention_bwd_kernel) runs the same per-program arithmetic as schedule 0:
     bitwise the same gradients in the interpreter, the eager rule against float64 everywhere."""
     dtype = torch.float16
-    q, k, v, kwargs, call = _scenario_call(scenario, shape, dtype)
-    _assert_one_launch_equals_two(monkeypatch, call, atol_on_gpu=None)  # fp16 on a GPU: the eager rule below
-    _assert_eager_rule_under_backward_schedule(1, q, k, v, kwargs, dtype, seed)
+    q, k, v, kwargs = _scenario_inputs(scenario, shape, dtype)
+    monkeypatch.setattr(launch, "attention_bwd_dkdv_kernel", _MustNotLaunch())
+    monkeypatch.setattr(launch, "attention_bwd_dq_kernel", _MustNotLaunch())
+    one, cotangents = _assert_eager_rule_under_backward_schedule(1, q, k, v, kwargs, dtype, seed)
+    monkeypatch.undo()
+    two = _run_under_backward_schedule(0, q, k, v, kwargs, cotangents)
+    _assert_bitwise_in_the_interpreter(one, two, "the one- and two-launch backward")
 
 
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, kwargs):
@@ -503,9 +517,13 @@ def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatc
     columns past a padded head dim zero-filled by the copy engine), otherwise the arithmetic of 0 / 1: bitwise
     the same gradients in the interpreter, the eager rule against float64 everywhere; the TMA path must run."""
     dtype = torch.float16
-    q, k, v, kwargs, call = _scenario_call(scenario, shape, dtype)
-    _assert_tma_backward_equals_pointer_loads(monkeypatch, call, one_launch, atol_on_gpu=None)  # fp16: eager rule
-    _assert_eager_rule_under_backward_schedule(2 + int(one_launch), q, k, v, kwargs, dtype, seed)
+    q, k, v, kwargs = _scenario_inputs(scenario, shape, dtype)
+    recorders = _record_backward_kernels(monkeypatch, 2 + int(one_launch))
+    tma, cotangents = _assert_eager_rule_under_backward_schedule(2 + int(one_launch), q, k, v, kwargs, dtype, seed)
+    assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
+    monkeypatch.undo()
+    pointer = _run_under_backward_schedule(int(one_launch), q, k, v, kwargs, cotangents)
+    _assert_bitwise_in_the_interpreter(tma, pointer, "TMA and pointer loads")
 
 
 @pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
@@ -605,21 +623,19 @@ def test_dq_kernel_with_its_own_tile_follows_the_eager_rule(monkeypatch, schedul
     eager rule against float64; dk and dv those of the default dQ tile (the dK/dV kernel is the same; bitwise in the
     interpreter)."""
     dtype = torch.float16
-    q, k, v, kwargs, _ = _scenario_call(scenario, shape, dtype)
+    q, k, v, kwargs = _scenario_inputs(scenario, shape, dtype)
     tiles = dict(backward_schedule=schedule, bwd_block_m=32, bwd_block_n=16)
     # two launches: the dQ kernel computes delta (a wrong or missing delta breaks dk and dv against the oracle)
     monkeypatch.setattr(launch, "attention_bwd_preprocess_kernel", _MustNotLaunch())
     with flashtile.use_backend("triton", dq_block_m=32, dq_block_n=16, dq_num_warps=2, **tiles):
         got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
-                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
-                                            seed)
-    grad_out = torch.randn_like(got[0])
-    with flashtile.use_backend("triton", dq_block_m=32, dq_block_n=16, dq_num_warps=2, **tiles):
-        own = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, **kwargs), (q, k, v), grad_out)
-    # the transposed tile named explicitly (on an H200 the d <= 64 table sets a dQ tile of its own)
+    own, cotangents = assert_attention_follows_the_eager_rule(
+        got, flash_attn_reference(q, k, v, **kwargs), flash_attn_reference(q, k, v, dtype=dtype, **kwargs),
+        (q, k, v), dtype, seed)
+    # the transposed tile named explicitly (on an H200 the d <= 64 table sets a dQ tile of its own), same cotangents
     with flashtile.use_backend("triton", dq_block_m=0, dq_block_n=0, dq_num_warps=0, **tiles):
-        default = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, **kwargs), (q, k, v), grad_out)
+        default = attention_grads(*flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs), (q, k, v),
+                                  *cotangents)
     for name, a, b in zip(("dk", "dv"), own[1:], default[1:]):
         if INTERPRETED:
             assert torch.equal(a, b), f"{name} changed with the dQ tile"
