@@ -431,12 +431,15 @@ def _run_under_backward_schedule(schedule, q, k, v, kwargs, cotangents):
         return (out, lse) + tuple(attention_grads(out, lse, (q, k, v), *cotangents))
 
 
-def _assert_bitwise_in_the_interpreter(first, second, what):
+def _assert_same_results(first, second, what, atol_on_gpu=None):
     """(out, lse, dq, dk, dv) of two schedules: bitwise equal in the interpreter (the same arithmetic per program);
-    on a GPU two compiled kernels may order their instructions differently, and the callers' eager rule holds."""
-    if INTERPRETED:
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+    on a GPU, where two compiled kernels may order their instructions differently, within atol_on_gpu (None: not
+    compared, the callers' eager rule holds)."""
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+        if INTERPRETED:
             assert torch.equal(a, b), f"{name} differs between {what}"
+        elif atol_on_gpu is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=atol_on_gpu, msg=f"{name} differs between {what}")
 
 
 def _assert_one_launch_equals_two(monkeypatch, fn, atol_on_gpu):
@@ -447,11 +450,7 @@ def _assert_one_launch_equals_two(monkeypatch, fn, atol_on_gpu):
     monkeypatch.setattr(launch, "attention_bwd_dkdv_kernel", _MustNotLaunch())
     monkeypatch.setattr(launch, "attention_bwd_dq_kernel", _MustNotLaunch())
     one = _with_backward_schedule(1, fn)
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), one, two):
-        if INTERPRETED:
-            assert torch.equal(a, b), f"{name} differs between the one- and two-launch backward"
-        elif atol_on_gpu is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=atol_on_gpu, msg=f"{name} differs")
+    _assert_same_results(one, two, "the one- and two-launch backward", atol_on_gpu)
 
 
 @pytest.mark.parametrize("scenario", ("plain", "causal", "causal-window", "softcap", "everything"))
@@ -466,7 +465,7 @@ def test_one_launch_backward_follows_the_eager_rule_and_equals_two_launches(monk
     one, cotangents = _assert_eager_rule_under_backward_schedule(1, q, k, v, kwargs, dtype, seed)
     monkeypatch.undo()
     two = _run_under_backward_schedule(0, q, k, v, kwargs, cotangents)
-    _assert_bitwise_in_the_interpreter(one, two, "the one- and two-launch backward")
+    _assert_same_results(one, two, "the one- and two-launch backward")
 
 
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, kwargs):
@@ -501,11 +500,7 @@ def _assert_tma_backward_equals_pointer_loads(monkeypatch, call, one_launch, ato
     recorders = _record_backward_kernels(monkeypatch, 2 + int(one_launch))
     tma = _with_backward_schedule(2 + int(one_launch), call)
     assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tma, pointer):
-        if INTERPRETED:
-            assert torch.equal(a, b), f"{name} differs between TMA and pointer loads"
-        elif atol_on_gpu is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=atol_on_gpu, msg=f"{name} differs")
+    _assert_same_results(tma, pointer, "TMA and pointer loads", atol_on_gpu)
 
 
 @pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
@@ -523,7 +518,7 @@ def test_tma_backward_follows_the_eager_rule_and_equals_pointer_loads(monkeypatc
     assert all(r.use_tma == [True] for r in recorders), [r.use_tma for r in recorders]
     monkeypatch.undo()
     pointer = _run_under_backward_schedule(int(one_launch), q, k, v, kwargs, cotangents)
-    _assert_bitwise_in_the_interpreter(tma, pointer, "TMA and pointer loads")
+    _assert_same_results(tma, pointer, "TMA and pointer loads")
 
 
 @pytest.mark.parametrize("one_launch", (False, True), ids=("two-launches", "one-launch"))
