@@ -65,10 +65,18 @@ def attention_bwd_preprocess_kernel(Out, dOut, dLse, Delta,
     rows = offs_m[:, None].to(tl.int64)
     o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_dv[None, :], mask=ok, other=0.0)
     do = tl.load(dOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :], mask=ok, other=0.0)
+    _store_delta(o, do, dLse, Delta, pid_bh.to(tl.int64) * seqlen_q, offs_m, row_ok, HAS_DLSE)
+
+
+@triton.jit
+def _store_delta(o, do, dLse, Delta, row_base, offs_m, row_ok, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse of rows offs_m, stored at Delta + row_base (dLse alike) and returned; the
+    preprocess kernel and the two-launch dQ kernel both compute it here."""
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
-        delta -= tl.load(dLse + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
-    tl.store(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=row_ok)
+        delta -= tl.load(dLse + row_base + offs_m, mask=row_ok, other=0.0)
+    tl.store(Delta + row_base + offs_m, delta, mask=row_ok)
+    return delta
 
 
 @triton.jit
@@ -343,10 +351,7 @@ def _dq_query_block(m0, Q, K, V, dOut, Out, k_desc, v_desc, Lse, Delta, dLse, dQ
         # instead of a preprocess launch that reads both (the dK/dV kernel, launched next, reads what is stored)
         o = tl.load(Out + h * stride_oh + rows * stride_om + offs_dv[None, :],
                     mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        if HAS_DLSE:
-            delta -= tl.load(dLse + row_base + offs_m, mask=row_ok, other=0.0)
-        tl.store(Delta + row_base + offs_m, delta, mask=row_ok)
+        delta = _store_delta(o, do, dLse, Delta, row_base, offs_m, row_ok, HAS_DLSE)
         lse2 = _lse_to_base2(tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")))
     else:
         lse2, delta = _load_row_stats(Lse, Delta, row_base, offs_m, seqlen_q, True)

@@ -224,7 +224,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
             # edge: two edges to mask, not measured with 128) keep 64, and so do masked problems (an attn_mask
             # keeps to the pointer kernel, measured with 64)
             wide_keys = hopper_forward and problem.window_left < 0 and problem.mask_kind is None
-            if wide_keys and not problem.is_banded and not problem.varlen and problem.seqlen_k < 4096:
+            short_dense = wide_keys and not problem.varlen and problem.seqlen_k < 4096
+            if short_dense and not problem.is_banded:
                 # short problems without a band: 64-key blocks, 2 stages, at most 128 registers (no spills, 98 KB
                 # of shared memory), so that two programs share an SM and one's pipeline fill and drain overlap
                 # the other's matmuls (session 13, 1k: 430 / 432 TFLOP/s against 418 / 415 with the 128-key
@@ -232,16 +233,16 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
                 # 287 / 310)
                 return TritonTiles(128, 64, 8, 2, 64, 128, 8, 3, forward_schedule=forward_schedule,
                                    backward_schedule=backward_schedule, forward_max_registers=128)
-            if wide_keys and problem.is_banded and not problem.varlen and problem.seqlen_k < 4096:
+            if short_dense:
                 # short causal problems, two programs per SM in every kernel, so that one's pipeline fill and drain
                 # run under the other's matmuls (session 17, d = 128 1k causal, medians of rotated rounds):
                 # - forward: 64 query rows against 64 keys, 4 warps, 3 stages (112 KB of shared memory): 366 / 368
                 #   TFLOP/s against 320 / 322 with the 128 x 128 tile, kernels 188-190 us against 216; at 4k causal
-                #   +1.4%, at 16k -4.6%; 64 x 64 with 4 stages and 64 x 32 lost 20-30%;
+                #   +1.4%, at 16k -4.6%; against this tile 64 x 64 with 4 stages lost 32% and 64 x 32 18%;
                 # - backward: two launches; dK/dV 32 query rows against 64 keys, 4 warps, 3 stages (255 registers,
                 #   83 KB); dQ 128 rows against 32 keys, 8 warps, at most 128 registers (115 KB): fwd+bwd 290 / 282
                 #   TFLOP/s in two of three runs (1.36x / 1.31x FA2; the third 258, its rounds 212-291) against 277 /
-                #   276 with the one-launch 64 x 128 backward; kernels 826-836 us against 873; at 4k causal -3%
+                #   276 with the one-launch 64 x 128 backward; kernels 826-836 us against 873-884; at 4k causal -3%
                 return TritonTiles(64, 64, 4, 3, 32, 64, 4, 3, forward_schedule=forward_schedule,
                                    backward_schedule=2, dq_block_m=128, dq_block_n=32, dq_num_warps=8,
                                    dq_max_registers=128)
