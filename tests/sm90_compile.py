@@ -130,7 +130,8 @@ def main():
                                             HAS_DLSE=causal),
                                        dq_ptrs if dq_tma else bwd_ptrs, dq_warps, stages))
         # the one-launch kernel where the sm_90 table can take it (fp16 / bf16): fp32 keeps two launches there, and
-        # its full-precision FMA form of this kernel took 123 s of the 463 s this script ran on a CI-sized machine
+        # its full-precision FMA form of this kernel took 123 s (at d = 64) of the 463 s this script ran on a CI-sized
+        # machine
         if dtype != "fp32":
             one_launch_tma = not varlen
             results.append(compile_variant(f"bwd-one-launch{' tma' if one_launch_tma else ''} {tag_varlen}",
