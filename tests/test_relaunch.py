@@ -142,6 +142,72 @@ def test_a_relaunch_goes_through_run_for_other_versions_and_scratch(monkeypatch,
     assert launcher.runs == [(3, 2, 1, 77, 1234, (4, 1, 0), None, None, None, x.data_ptr(), y.data_ptr(), 5, 32)]
 
 
+def _descriptor_wrapper(launcher, tensordesc_indices, tensordesc_meta):
+    """Shaped as Triton 3.6 wraps the compiled launcher of a kernel with host-side descriptors: a closure over
+    the compiled launcher, the descriptors' signature positions and their metadata (what relaunch reads)."""
+    def inner(*args):
+        raise AssertionError(f"a relaunch must go past the descriptor wrapper (of {launcher}: "
+                             f"{tensordesc_indices}, {tensordesc_meta})")
+    return inner
+
+
+def test_a_relaunch_encodes_each_descriptor_once_per_address_and_layout(monkeypatch, on_cpu_device):
+    """Kernels with host-side TMA descriptors: the compiled launcher behind Triton 3.6's wrapper gets each
+    descriptor as (tensor map, *shape, *strides) in its place; a map is encoded once per address and layout
+    and encoded again when either changes."""
+    encoded = []
+
+    def encode(address, swizzle, element_size, element_type, box, shape, strides, padding):
+        encoded.append((address, swizzle, element_size, element_type, tuple(box), tuple(shape), tuple(strides),
+                        padding))
+        return f"map{len(encoded)}"
+
+    monkeypatch.setattr(relaunch, "_tensor_map_encoder", lambda: (encode, {5: 50, 7: 70}))
+    compiled_launches = []
+    metas = [dict(swizzle=128, elem_size=2, elem_type=5, block_size=[1, 16, 8], fp4_padded=False),
+             dict(swizzle=64, elem_size=4, elem_type=7, block_size=[1, 32, 8], fp4_padded=False)]
+    wrapper = _descriptor_wrapper(lambda *args: compiled_launches.append(args), {1, 3}, metas)
+    launcher = _FakeLauncher()
+    launcher.launch = wrapper
+    compiled = _FakeCompiled(launcher)
+    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "_compiled", {})
+    monkeypatch.setattr(relaunch, "_stream_getter", lambda: lambda device: 77)
+    monkeypatch.setattr(relaunch, "_first_launch", lambda kernel, grid, args, options: compiled)
+    monkeypatch.setattr(relaunch.triton, "__version__", "3.6.0")
+
+    class JitFunction:
+        @staticmethod
+        def fn(X, DescA, Y, DescB, n, BLOCK: "tl.constexpr" = 16):  # noqa: F821
+            pass
+
+    kernel = JitFunction()
+    rows, cols = torch.empty(4, 64, 8, dtype=torch.float16), torch.empty(4, 64, 8, dtype=torch.float32)
+    x, y = torch.empty(16), torch.empty(16)
+
+    def descriptors(a, b):
+        return (TensorDescriptor(a, [4, 64, 8], list(a.stride()), [1, 16, 8]),
+                TensorDescriptor(b, [4, 64, 8], list(b.stride()), [1, 32, 8]))
+
+    def run(a, b):
+        desc_a, desc_b = descriptors(a, b)
+        relaunch.launch(kernel, (3,), (x, desc_a, y, desc_b), (5,), BLOCK=32)
+
+    run(rows, cols)  # the first launch goes through Triton (recorded): nothing encoded here
+    run(rows, cols)
+    run(rows, cols)  # same addresses and layouts: no new encoding
+    strides_a, strides_b = list(rows.stride()), list(cols.stride())
+    assert encoded == [(cols.data_ptr(), 64, 4, 70, (1, 32, 8), (4, 64, 8), tuple(strides_b), 0),
+                       (rows.data_ptr(), 128, 2, 50, (1, 16, 8), (4, 64, 8), tuple(strides_a), 0)]
+    base = (3, 1, 1, 77, 1234, False, True, None, None, (4, 1, 0), None, None, None)
+    expected = (*base, x.data_ptr(), "map2", 4, 64, 8, *strides_a, y.data_ptr(), "map1", 4, 64, 8, *strides_b, 5, 32)
+    assert compiled_launches == [expected, expected]
+    other = torch.empty_like(rows)  # another address, the same layout: encoded again
+    run(other, cols)
+    assert len(encoded) == 3 and encoded[-1][0] == other.data_ptr()
+    assert compiled_launches[-1][14] == "map3" and compiled_launches[-1][22] == "map1"
+
+
 def test_a_launch_hook_gets_triton_own_launch_with_the_tensors(monkeypatch, on_cpu_device):
     """A profiler's launch hook needs Triton's launch metadata: with one installed, relaunches go through
     compiled[grid] with the tensors themselves."""
@@ -226,6 +292,15 @@ def test_relaunched_kernels_give_the_first_calls_bits(causal, monkeypatch):
     assert len(relaunch._compiled) == launches, "the second call made new keys"
     for name, a, b in zip(("out", "dq", "dk", "dv"), first, again):
         assert torch.equal(a, b), f"{name} differs after a relaunch"
+    if triton.__version__.startswith(relaunch.DIRECT_LAUNCHER_VERSIONS):  # the TMA kernels skip 3.6's wrapper
+        launchers = {compiled.kernel.fn.__name__: hookless.__name__ for compiled, _, hookless in
+                     relaunch._compiled.values()}
+        assert launchers["attention_fwd_tma_kernel"] == "launch_encoded", launchers
+    # copies at other addresses: every descriptor is encoded again for them (the maps follow addresses)
+    copies = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flashtile.flash_attn_func(*copies, causal=causal)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), first, (out, *torch.autograd.grad(out, copies, grad))):
+        assert torch.equal(a, b), f"{name} differs for copies of q, k, v"
     # the same kernel (pointer loads) on a q 2 bytes off a 16-byte boundary: Triton specialises pointers on
     # 16-byte alignment, so it must get a key of its own rather than the aligned q's compiled kernel
     offset = torch.empty(q.numel() + 8, device=DEVICE, dtype=q.dtype)[1:1 + q.numel()].view(q.shape)

@@ -191,7 +191,8 @@ def _grid_rows(seqlen_hint: int, varlen: bool) -> int:
 def _row_strides(t: torch.Tensor, batch_stride: int) -> tuple[int, int, int]:
     """(batch, row, head) strides of a (batch, rows, heads, dim) tensor as the kernels take them; batch_stride
     0 for packed sequences, whose batch entries are found through cu_seqlens instead (see _packing)."""
-    return t.stride(0) * batch_stride, t.stride(1), t.stride(2)
+    stride_b, stride_m, stride_h, _ = t.stride()  # one call: a fwd+bwd step asks for a dozen tensors' strides
+    return stride_b * batch_stride, stride_m, stride_h
 
 
 def _outputs(q, problem: AttentionProblem, packed: bool):

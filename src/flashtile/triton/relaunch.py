@@ -22,7 +22,9 @@ while no launch hook is installed, it calls the launcher without launch metadata
 goes to the compiled launcher itself, skipping the Python wrapper that allocates scratch; other versions
 go through `CompiledKernel.run`, or through `compiled[grid]` where that is missing. With these and the
 decode plans (launch.decode), a small decode step's host time on the H200 went from 77-131 to 43-55 us
-(BENCHMARKS.md, session 11).
+(BENCHMARKS.md, session 11). For a kernel that takes host-side TMA descriptors, Triton 3.6 puts a second
+Python wrapper in front of its compiled launcher, which encodes every descriptor on every launch; a relaunch
+goes past it too, with encodings kept per address and layout (`_descriptor_launcher`).
 
 Contract of a kernel launched this way: its parameters are the tensors first, then the scalars, then
 the constexprs (passed by keyword; a constexpr left out takes its default). An object without the JIT
@@ -46,6 +48,8 @@ from .configs import interpreting
 
 # keys are per distinct call shape; a process that sees more than this many starts over
 MAX_ENTRIES = 4096
+# encoded TMA descriptors kept per compiled kernel (one per address and layout of a tensor it streams)
+MAX_ENCODED_DESCRIPTORS = 1024
 
 # Triton versions whose compiled launcher was read and is called directly (see the module docstring)
 DIRECT_LAUNCHER_VERSIONS = ("3.6.",)
@@ -122,6 +126,58 @@ def _stream_getter() -> Callable[[int], int]:
     return triton.runtime.driver.active.get_current_stream
 
 
+def _tensor_map_encoder() -> tuple[Callable, dict]:
+    """Triton 3.6's CUtensorMap encoder and its map from the kernel's element-type codes to the driver's."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    return triton.runtime.driver.active.utils.fill_tma_descriptor, TMA_DTYPE_DEVICE_TO_HOST
+
+
+def _descriptor_launcher(launcher) -> tuple[Callable, Callable[[tuple], list]] | None:
+    """For Triton 3.6's launcher of a kernel with host-side tensor descriptors: the compiled launcher it wraps and
+    a function that turns our arguments into that launcher's, or None (no descriptors, or a wrapper of another
+    shape: then `launcher` is called as it is).
+
+    Triton 3.6 wraps the compiled launcher of such a kernel in a Python function that walks every argument and
+    encodes each descriptor into a CUtensorMap on every launch. The encoding is a pure function of the tensor's
+    address, shape and strides and of the kernel's box, swizzle and element type, so it is kept here under
+    exactly those values (a tensor freed and another allocated at its address with the same layout has the same
+    map), and each launch only looks the maps up. The compiled launcher reads the map's bytes into the launch's
+    parameters, so one map can serve any number of launches.
+    """
+    free = dict(zip(getattr(getattr(launcher, "__code__", None), "co_freevars", ()),
+                    (cell.cell_contents for cell in getattr(launcher, "__closure__", None) or ())))
+    compiled_launcher, positions, metas = (free.get(name) for name in
+                                           ("launcher", "tensordesc_indices", "tensordesc_meta"))
+    if (compiled_launcher is None or not positions or not metas or len(metas) != len(positions)
+            or any(meta is None or meta.get("fp4_padded") for meta in metas)):
+        return None  # no descriptors, descriptors lowered to pointers, or packed fp4: Triton's own wrapper
+    encode, host_element_type = _tensor_map_encoder()
+    # (position, swizzle, element size, host element type, box) in signature order, the order of the metadata;
+    # spliced last to first, so that each position still counts the arguments before it
+    plans = [(position, meta["swizzle"], meta["elem_size"], host_element_type[meta["elem_type"]],
+              meta["block_size"]) for position, meta in zip(sorted(positions), metas)][::-1]
+    encoded: dict = {}
+
+    def expand(arguments: tuple) -> list:
+        arguments = list(arguments)
+        for position, swizzle, element_size, element_type, box in plans:
+            descriptor = arguments[position]
+            address = descriptor.base.data_ptr()
+            key = (position, address, *descriptor.shape, *descriptor.strides, descriptor.padding)
+            expanded = encoded.get(key)
+            if expanded is None:
+                if len(encoded) >= MAX_ENCODED_DESCRIPTORS:
+                    encoded.clear()
+                tensor_map = encode(address, swizzle, element_size, element_type, box, descriptor.shape,
+                                    descriptor.strides, int(descriptor.padding == "nan"))
+                expanded = encoded[key] = (tensor_map, *descriptor.shape, *descriptor.strides)
+            arguments[position:position + 1] = expanded
+        return arguments
+
+    return compiled_launcher, expand
+
+
 def _hookless_launcher(compiled) -> Callable | None:
     """A function (grid, device, arguments) that launches `compiled` with no launch metadata or hooks, or None
     where `compiled` does not look like Triton's CompiledKernel (a test's recorder)."""
@@ -134,6 +190,14 @@ def _hookless_launcher(compiled) -> Callable | None:
               and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0)
     if direct:
         cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+        unwrapped = _descriptor_launcher(launcher)
+        if unwrapped is not None:
+            launcher, expand = unwrapped
+
+            def launch_encoded(grid, device, arguments):
+                launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None, None,
+                         metadata, None, None, None, *expand(arguments))
+            return launch_encoded
 
         def launch_direct(grid, device, arguments):
             launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None, None, metadata,
