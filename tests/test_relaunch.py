@@ -293,8 +293,7 @@ def test_relaunched_kernels_give_the_first_calls_bits(causal, monkeypatch):
     for name, a, b in zip(("out", "dq", "dk", "dv"), first, again):
         assert torch.equal(a, b), f"{name} differs after a relaunch"
     if triton.__version__.startswith(relaunch.DIRECT_LAUNCHER_VERSIONS):  # the TMA kernels skip 3.6's wrapper
-        launchers = {compiled.kernel.fn.__name__: hookless.__name__ for compiled, _, hookless in
-                     relaunch._compiled.values()}
+        launchers = {compiled.name: hookless.__name__ for compiled, _, hookless in relaunch._compiled.values()}
         assert launchers["attention_fwd_tma_kernel"] == "launch_encoded", launchers
     # copies at other addresses: every descriptor is encoded again for them (the maps follow addresses)
     copies = [t.detach().clone().requires_grad_() for t in (q, k, v)]
