@@ -32,6 +32,8 @@ CASES = {
     # (64 query rows); ragged ends
     "d128-gqa-short-ragged": ((2, 1000, 1000, 8, 2, 128, 128), {}),
     "d64-causal-short-ragged": ((2, 1000, 1000, 8, 8, 64, 64), {"causal": True}),
+    # d = 64 causal below 4k keys: two launches with 32 x 64 dK/dV tiles; one K/V head, ragged
+    "d64-mqa-causal-rect": ((1, 1000, 3000, 8, 1, 64, 64), {"causal": True}),
 }
 
 

@@ -349,7 +349,7 @@ def test_warp_specialized_128_row_tiles_use_the_right_query_positions(case, seed
 def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_pay():
     """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128; at d = 64 dense batches take two launches with
     TMA loads and the dQ kernel's own 128 x 64 / 8-warp tile, packed or not, except banded problems below 4k keys
-    (one launch); other GPUs and fp32 keep the two launches and their tiles; packed
+    (one launch; dense causal ones: two launches with 32 x 64 dK/dV tiles); other GPUs and fp32 keep the two launches and their tiles; packed
     batches at d = 128 take two launches with TMA loads in their interior blocks; dense ones at d = 128 load the
     streamed tiles by TMA at every length."""
     import dataclasses
@@ -364,8 +364,10 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
         tiles = default_tiles(_table_problem(seqlen, 64), (9, 0))
         assert (tiles.backward_schedule, tiles.dq_tile) == (2, (128, 64, 8)), seqlen
     banded_short = dataclasses.replace(_table_problem(1024, 64), window_right=0)
-    tiles = default_tiles(banded_short, (9, 0))
-    assert (tiles.backward_schedule, tiles.dq_block_m) == (1, 0)
+    tiles = default_tiles(banded_short, (9, 0))  # dense causal below 4k keys: two launches, 32 x 64 dK/dV tiles
+    assert (tiles.backward_schedule, tiles.bwd_block_m, tiles.bwd_block_n, tiles.dq_tile) == (2, 32, 64, (128, 64, 8))
+    windowed = default_tiles(dataclasses.replace(banded_short, window_left=100), (9, 0))  # a sliding window
+    assert (windowed.backward_schedule, windowed.bwd_block_n, windowed.dq_block_m) == (1, 128, 0)
     for seqlen in (4096, 16384):  # packed d = 64 batches as the dense ones (TMA in their interior blocks), their
         # dQ kernel capped at 128 registers (the dense one needs no cap)
         tiles = default_tiles(dataclasses.replace(_table_problem(seqlen, 64), varlen=True), (9, 0))

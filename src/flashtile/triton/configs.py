@@ -167,6 +167,8 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     - Short causal problems at d = 128 (session 17): two programs per SM in every kernel, a 64 x 64 / 4-warp
       forward and a two-launch backward with 4-warp 32 x 64 dK/dV tiles and a dQ kernel capped at 128
       registers (1k causal forward +14%, fwd+bwd +2..+5% in two of three runs; -3..-7% from 4k keys).
+    - Short causal problems at d = 64 (session 18): two launches, 32 x 64 dK/dV tiles and the 128 x 64 dQ tile
+      (fwd+bwd +5.5% / +6.5% at 1k / 2k causal against the one launch).
     - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
       launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
     """
@@ -181,8 +183,19 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         # the TMA forward with 8 warps (session 7, 1k keys: 368 TFLOP/s against 355 with 4 warps, non-causal),
         # but 4 warps for banded problems below 4k keys (1k causal: 264-266 in three runs against 254 with 8)
         banded_short = problem.is_banded and problem.seqlen_k < 4096
+        # dense causal problems below 4k keys (a band on the right only, no mask)
+        causal_short_dense = (hopper_16bit and banded_short and problem.window_left < 0 and not problem.varlen
+                              and problem.mask_kind is None)
         warps = 8 if hopper_forward and not banded_short else 4
-        if hopper_16bit and not banded_short:
+        bwd_block_n = 128
+        if causal_short_dense:
+            # two launches with the dQ kernel's 128 x 64 / 8-warp tile, as below, and 32 x 64 dK/dV tiles (session
+            # 18, medians of 11 rotated rounds against the one launch of 32 x 128 tiles: 1k causal 258.3 against
+            # 244.8 TFLOP/s, 1.386x FA2 against 1.313x, kernels 922 us against 983; 2k causal 306.1 against 287.5,
+            # kernels 1,561 against 1,671; the 32 x 128 dK/dV tile in the same two launches 256.1 / 300.9)
+            backward = dict(backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
+            bwd_block_n = 64
+        elif hopper_16bit and not banded_short:
             # two launches, TMA loads (packed batches: in their interior blocks), the dQ kernel with its own
             # 128 x 64 / 8-warp tile (session 10, dense fwd+bwd in one run against the previous table: +5..+7% /
             # +5% / +5% at 1k / 4k / 16k non-causal, +5..+10% / +4% at 4k / 16k causal; at 1k causal the one launch
@@ -205,7 +218,7 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         # registers) 3.87 against 3.84; session 16 with the cap: 7.30 / 3.83 ms against the dense 6.90 / 3.56;
         # the packed dQ kernel likewise, above)
         cap = 128 if hopper_forward and problem.varlen and warps == 8 else 0
-        return TritonTiles(block_m, 64, warps, 3, 32, 128, 4, 3, forward_schedule=forward_schedule,
+        return TritonTiles(block_m, 64, warps, 3, 32, bwd_block_n, 4, 3, forward_schedule=forward_schedule,
                            forward_separate_ragged_end=_separate_ragged_end(problem), forward_max_registers=cap,
                            **backward)
     if width <= 128:
