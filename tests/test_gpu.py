@@ -235,9 +235,10 @@ def test_tma_forward_and_backward_replay_from_a_cuda_graph():
 
 
 @pytest.mark.parametrize("page_size", (None, 16, 256), ids=("contiguous", "page16", "page256"))
-@pytest.mark.parametrize("num_splits", (0, 1, 3, 8))
+@pytest.mark.parametrize("num_splits", (0, 1, 3, 8, 64))
 def test_kvcache_decode_realistic(page_size, num_splits, seed):
-    """32 query heads on 8 K/V heads, d 128, bf16, caches of a few thousand tokens, one new token each."""
+    """32 query heads on 8 K/V heads, d 128, bf16, caches of a few thousand tokens, one new token each (64 splits
+    of pages of 16: 4 key blocks a split, the short-caches tile with 4 stages)."""
     batch, capacity, dtype = 4, 4096, torch.bfloat16
     lengths = torch.tensor([4000, 1, 2500, 333], dtype=torch.int32, device=DEVICE)
     k_all = torch.randn(batch, capacity, 8, 128, device=DEVICE, dtype=dtype)

@@ -158,13 +158,16 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
     assert choose_num_splits(programs=1, key_blocks=2048, sm_count=132) == 64  # capped
     assert choose_num_splits(programs=8, key_blocks=12, sm_count=132) == 3  # >= 4 key blocks per split
     assert choose_num_splits(programs=8, key_blocks=2, sm_count=132) == 1
+    # a tile's own limits: 2 key blocks a split, 128 splits
+    assert choose_num_splits(programs=8, key_blocks=256, sm_count=132, waves=8, min_blocks=2, max_splits=128) == 128
+    assert choose_num_splits(programs=8, key_blocks=100, sm_count=132, waves=8, min_blocks=2, max_splits=128) == 50
 
 
 def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monkeypatch):
     """On a 132-SM GPU: batch 1 of a contiguous cache splits at about two waves with 3 stages, batch 64 fills the GPU
     unsplit with 2, a cache of two key blocks stays unsplit, pages of 256 keep the four-wave tile, pages of 16 take
-    16-key blocks when split and 64-key blocks when not, and an explicit split count picks the tile by whether it
-    splits."""
+    16-key blocks when split (4 stages and up to 128 splits where 8 stages would outnumber a split's key blocks) and
+    64-key blocks when not, and an explicit split count picks the tile by whether it splits."""
     from flashtile._validate import prepare_kvcache
     from flashtile.triton import launch
 
@@ -187,6 +190,11 @@ def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monke
         assert geometry(1, 128) == (1, 64, 2)  # two key blocks: nothing to split
         assert geometry(1, 32768, page=256) == (64, 64, 2)
         assert geometry(1, 32768, page=16) == (64, 16, 8)
+        assert geometry(1, 16384, page=16) == (64, 16, 8)  # 16 key blocks a split
+        assert geometry(1, 8192, page=16) == (128, 16, 4)  # 8 at 64 splits: no more than the 8 stages
+        assert geometry(1, 4096, page=16) == (128, 16, 4)  # 2 key blocks a split
+        assert geometry(8, 4096, page=16) == (8, 16, 8)  # 32 key blocks a split
+        assert geometry(1, 4096, page=16, num_splits=8) == (8, 16, 8)
         assert geometry(64, 256, page=16) == (1, 64, 2)  # unsplit: 64-key blocks over four pages
         assert geometry(1, 32768, num_splits=1) == (1, 64, 2)
         assert geometry(1, 32768, num_splits=3) == (3, 64, 3)

@@ -333,27 +333,31 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     return dq, dk, dv
 
 
-def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4) -> int:
+def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4, min_blocks: int = 4,
+                      max_splits: int = 64) -> int:
     """Flash-Decoding's split count: as many programs as fit in `waves` programs per SM, never a few more
     (at batch 8 x 8 K/V heads on an H200, 8 splits, 512 programs, read the cache up to 8% faster than 9,
-    576, contiguous and 16-key pages alike, with one tie), each split keeping at least 4 key blocks (so the
-    merge stays cheap next to the reads), at most 64 splits."""
+    576, contiguous and 16-key pages alike, with one tie), each split keeping at least `min_blocks` key blocks
+    (so the merge stays cheap next to the reads), at most `max_splits` splits (a tile's own limits, DecodeTile)."""
     if programs >= sm_count:
         return 1
     wanted = waves * sm_count // max(1, programs)
-    return max(1, min(wanted, key_blocks // 4, 64))
+    return max(1, min(wanted, key_blocks // min_blocks, max_splits))
 
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages and the waves of
-    programs the split count aims for. In a paged cache a key block looks its page up once where block_n divides
-    the page size, else once per run of gcd(block_n, page_size) keys (both are multiples of 16)."""
+    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, the waves of
+    programs the split count aims for, and the split count's limits (key blocks a split keeps at least, splits at
+    most; choose_num_splits). In a paged cache a key block looks its page up once where block_n divides the page
+    size, else once per run of gcd(block_n, page_size) keys (both are multiples of 16)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     waves: int
+    min_blocks_per_split: int = 4
+    max_splits: int = 64
 
 
 # From benchmarks/tune_decode.py on the H200 (bf16, d 128, 32 query heads on 8 K/V heads, kernels replayed from
@@ -380,6 +384,12 @@ class DecodeTile:
 DECODE_TILE = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
 DECODE_TILE_CONTIGUOUS_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=3, waves=2)
 DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
+# Short caches in pages smaller than 64 keys, where DECODE_TILE_SMALL_PAGES would give each split no more key blocks
+# than its pipeline stages (so the pipeline never fills): 4 stages and twice the programs, down to 2 key blocks a
+# split and up to 128 splits (session 18, pages of 16, kernels replayed from CUDA graphs: 1 x 4k 10.0 us against
+# 10.9, 1 x 8k 13.4 against 14.6; at 1 x 16k, 16 blocks a split, the 8-stage tile stays: 25.3 against 26.5)
+DECODE_TILE_SHORT_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=4, waves=8, min_blocks_per_split=2,
+                                           max_splits=128)
 
 
 def page_chunk(block_n: int, page_size: int | None) -> int:
@@ -437,13 +447,17 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
     def key_blocks_and_splits(tile: DecodeTile) -> tuple[int, int]:
         key_blocks = max(1, _cdiv(problem.seqlen_k, tile.block_n))
         return key_blocks, num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
-                                                           _sm_count(problem.device), tile.waves)
+                                                           _sm_count(problem.device), tile.waves,
+                                                           tile.min_blocks_per_split, tile.max_splits)
 
     if tile is None:
         # the layout's tile for split launches where the keys do end up split, else its unsplit tile
         tile = default_decode_tile(page_size, split=True)
-        if key_blocks_and_splits(tile)[1] == 1:
+        key_blocks, splits = key_blocks_and_splits(tile)
+        if splits == 1:
             tile = default_decode_tile(page_size)
+        elif tile is DECODE_TILE_SMALL_PAGES and _cdiv(key_blocks, splits) <= tile.num_stages:
+            tile = DECODE_TILE_SHORT_SMALL_PAGES
     key_blocks, splits = key_blocks_and_splits(tile)
     blocks_per_split = _cdiv(key_blocks, max(1, min(splits, key_blocks)))
     return DecodeGeometry(block_m, row_blocks, tile.block_n, _cdiv(key_blocks, blocks_per_split),
