@@ -349,9 +349,9 @@ def test_warp_specialized_128_row_tiles_use_the_right_query_positions(case, seed
 def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_pay():
     """sm_90 fp16/bf16: one launch with 64 x 128 tiles at d = 128; at d = 64 dense batches take two launches with
     TMA loads and the dQ kernel's own 128 x 64 / 8-warp tile, packed or not, except banded problems below 4k keys
-    (one launch; dense causal ones: two launches with 32 x 64 dK/dV tiles); other GPUs and fp32 keep the two launches and their tiles; packed
-    batches at d = 128 take two launches with TMA loads in their interior blocks; dense ones at d = 128 load the
-    streamed tiles by TMA at every length."""
+    (one launch; dense causal ones: two launches with 32 x 64 dK/dV tiles); other GPUs and fp32 keep the two
+    launches and their tiles; packed batches at d = 128 take two launches with TMA loads in their interior blocks;
+    dense ones at d = 128 load the streamed tiles by TMA at every length."""
     import dataclasses
 
     from flashtile.triton.configs import default_tiles
@@ -398,15 +398,17 @@ def test_pipelined_kernels_pad_a_narrow_value_tile_to_the_key_tile_when_the_key_
     assert widths(128, 128, 128, 128) == (128, 128)
 
 
-def _with_backward_schedule(schedule, fn):
-    """fn() under backward schedule `schedule` with ragged 16 x 32 backward tiles; returns (out, lse, dq, dk, dv)
-    for fixed cotangents."""
+def _with_backward_schedule(schedule, fn, cotangents=None):
+    """fn() -> (out, lse, inputs) under backward schedule `schedule` with ragged 16 x 32 backward tiles; returns
+    (out, lse, dq, dk, dv), the gradients taken with `cotangents` (grad_out, grad_lse), by default fixed random
+    ones."""
     with flashtile.use_backend("triton", backward_schedule=schedule, bwd_block_m=16, bwd_block_n=32):
         out, lse, inputs = fn()
-        generator = torch.Generator().manual_seed(1)
-        grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
-        grad_lse = torch.randn(lse.shape, generator=generator, dtype=torch.float64).to(lse)
-        return (out, lse) + tuple(attention_grads(out, lse, inputs, grad_out, grad_lse))
+        if cotangents is None:
+            generator = torch.Generator().manual_seed(1)
+            cotangents = (torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out),
+                          torch.randn(lse.shape, generator=generator, dtype=torch.float64).to(lse))
+        return (out, lse) + tuple(attention_grads(out, lse, inputs, *cotangents))
 
 
 def _scenario_inputs(scenario, shape, dtype):
@@ -428,9 +430,8 @@ def _assert_eager_rule_under_backward_schedule(schedule, q, k, v, kwargs, dtype,
 def _run_under_backward_schedule(schedule, q, k, v, kwargs, cotangents):
     """(out, lse, dq, dk, dv) of flash_attn_func under backward schedule `schedule` (ragged 16 x 32 backward tiles),
     the gradients taken with `cotangents` (grad_out, grad_lse)."""
-    with flashtile.use_backend("triton", backward_schedule=schedule, bwd_block_m=16, bwd_block_n=32):
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-        return (out, lse) + tuple(attention_grads(out, lse, (q, k, v), *cotangents))
+    return _with_backward_schedule(
+        schedule, lambda: (*flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs), (q, k, v)), cotangents)
 
 
 def _assert_same_results(first, second, what, atol_on_gpu=None):

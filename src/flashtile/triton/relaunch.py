@@ -192,11 +192,11 @@ def _hookless_launcher(compiled) -> Callable | None:
         cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
         unwrapped = _descriptor_launcher(launcher)
         if unwrapped is not None:
-            launcher, expand = unwrapped
+            compiled_launcher, expand = unwrapped
 
             def launch_encoded(grid, device, arguments):
-                launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None, None,
-                         metadata, None, None, None, *expand(arguments))
+                compiled_launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None,
+                                  None, metadata, None, None, None, *expand(arguments))
             return launch_encoded
 
         def launch_direct(grid, device, arguments):
