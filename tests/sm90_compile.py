@@ -142,7 +142,7 @@ def main():
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key not in ("HEADDIM_V", "SCALE_IN_EXP2")}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
-                       "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
+                       "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "Part": "*fp32"}
         # paged bf16 with both page tiles (16-key blocks for pages of 16, 64-key blocks for pages of 256)
         for large_pages in (False, True) if paged and headdim == 128 else (False,):
             page_size = (256 if large_pages else 16) if paged else None
@@ -157,7 +157,7 @@ def main():
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
                                    dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True),
-                                   {"PartOut": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))
+                                   {"Part": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))
     json.dump(results, sys.stdout)
 
 

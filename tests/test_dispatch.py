@@ -7,6 +7,7 @@ import torch
 
 import flashtile
 from flashtile import BackendUnavailableError
+from flashtile.triton import configs as triton_configs
 
 from conftest import DEVICE, random_qkv
 
@@ -46,12 +47,26 @@ def test_requested_backend_that_cannot_serve_raises(tensors, monkeypatch):
 
 
 def test_triton_on_cpu_needs_the_interpreter(tensors, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # kernels defined outside the interpreter (once they are defined, TRITON_INTERPRET is no longer read)
+    monkeypatch.setattr(triton_configs, "_kernels_interpreted", False)
     if DEVICE.type != "cpu":
         pytest.skip("about CPU tensors")
     with flashtile.use_backend("triton"):
         with pytest.raises(BackendUnavailableError, match=r"only under the interpreter \(TRITON_INTERPRET=1"):
             flashtile.flash_attn_func(*tensors)
+
+
+def test_interpreting_follows_the_kernels_once_they_are_defined(monkeypatch):
+    monkeypatch.setattr(triton_configs, "_kernels_interpreted", None)  # restored after the test
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_configs.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_configs.interpreting()
+    from flashtile.triton import launch
+
+    triton_configs.record_kernel_mode(launch.attention_fwd_kernel)
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if DEVICE.type == "cpu" else "1")  # the other way from the kernels
+    assert triton_configs.interpreting() == (DEVICE.type == "cpu")  # CI interprets them; the GPU suite compiles
 
 
 def test_context_manager_overrides_environment_and_nests(tensors, monkeypatch):

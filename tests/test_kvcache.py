@@ -325,6 +325,25 @@ def test_strided_cache_seqlens_and_block_table_read_as_their_values(backend, num
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
+def test_a_layout_keeps_its_backend_choice_per_backend_request(monkeypatch, seed):
+    """A validated layout keeps the backend chosen for it per backend request: the same tensors called again
+    under another use_backend context (and the environment variable) go to that context's backend."""
+    from flashtile import _dispatch
+
+    served = []
+    for name, backend in _dispatch.BACKENDS.items():
+        monkeypatch.setattr(backend, "decode", lambda call, tiles, splits, name=name, real=backend.decode:
+                            served.append(name) or real(call, tiles, splits))
+    args = _call()
+    args.update(k=None, v=None)
+    for name in ("torch", "triton", "torch", "triton"):
+        with flashtile.use_backend(name):
+            flashtile.flash_attn_with_kvcache(**args)
+    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    flashtile.flash_attn_with_kvcache(**args)
+    assert served == ["torch", "triton", "torch", "triton", "torch"]
+
+
 def test_decode_plans_are_kept_per_layout_and_serve_each_calls_tensors(monkeypatch, seed):
     """The Triton decode keeps its launch constants per validated layout: a later step with the same
     layout (new q, cache contents and lengths) reuses the plan and still reads its own tensors; caches with

@@ -142,6 +142,39 @@ def test_a_relaunch_goes_through_run_for_other_versions_and_scratch(monkeypatch,
     assert launcher.runs == [(3, 2, 1, 77, 1234, (4, 1, 0), None, None, None, x.data_ptr(), y.data_ptr(), 5, 32)]
 
 
+def test_a_fixed_launch_is_keyed_by_its_tensors_alignment(monkeypatch, on_cpu_device):
+    """launch_fixed relaunches one compiled kernel for tensors at any 16-byte-aligned addresses, each launch with
+    its own tensors' addresses, and goes through Triton again (a key of its own) when a tensor sits off a 16-byte
+    boundary, which Triton specialises pointers on."""
+    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "_compiled", {})
+    monkeypatch.setattr(relaunch, "_stream_getter", lambda: lambda device: 77 + device)
+    monkeypatch.setattr(relaunch.triton, "__version__", "3.6.0")
+    firsts = []
+
+    def first_launch(kernel, grid, args, options):
+        firsts.append(args)
+        return _FakeCompiled(_FakeLauncher())
+
+    monkeypatch.setattr(relaunch, "_first_launch", first_launch)
+
+    class JitFunction:
+        @staticmethod
+        def fn(X, Y, n, BLOCK: "tl.constexpr" = 16):  # noqa: F821 - an annotation, as Triton kernels write it
+            pass
+
+    fixed = relaunch.FixedLaunch(JitFunction(), (5,), {"BLOCK": 32})
+    aligned = [(torch.empty(16), torch.empty(16)) for _ in range(2)]
+    misaligned = [(torch.empty(16), torch.empty(18)[2:]) for _ in range(2)]  # 8 bytes off a boundary
+    for tensors in (aligned[0], aligned[1], misaligned[0], misaligned[1], aligned[0]):
+        relaunch.launch_fixed(fixed, (3, 2, 1), tensors)
+    assert [args[:2] for args in firsts] == [aligned[0], misaligned[0]]
+    launches = [entry[0].run.launches for entry in relaunch._compiled.values()]
+    assert [[call[13:15] for call in calls] for calls in launches] == [
+        [tuple(t.data_ptr() for t in aligned[1]), tuple(t.data_ptr() for t in aligned[0])],
+        [tuple(t.data_ptr() for t in misaligned[1])]]
+
+
 def _descriptor_wrapper(launcher, tensordesc_indices, tensordesc_meta):
     """Shaped as Triton 3.6 wraps the compiled launcher of a kernel with host-side descriptors: a closure over
     the compiled launcher, the descriptors' signature positions and their metadata (what relaunch reads)."""

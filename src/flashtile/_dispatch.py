@@ -114,6 +114,15 @@ class TorchBackend:
                                              attn_mask, problem, tiles)
 
 
+@functools.cache
+def _triton_launch():
+    # the kernels are defined (compiled or interpreted) on first use; an import statement in the methods cost
+    # ~1 us a call (its from-list lookup), which a decode step feels
+    from .triton import launch
+
+    return launch
+
+
 class TritonBackend:
     """Fused Triton kernels: CUDA GPUs of compute capability 8.0 or newer; CPU tensors under TRITON_INTERPRET=1."""
 
@@ -197,26 +206,18 @@ class TritonBackend:
                 f"({masked} with an element mask)")
 
     def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None):
-        from .triton import launch  # kernels are compiled (or interpreted) on first use
-
-        return launch.forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k)
+        return _triton_launch().forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k)
 
     def describe_decode(self, call, tiles) -> str:
-        from .triton import launch
-
-        return launch.decode_geometry(call.problem, call.page_size, call.num_splits).describe()
+        return _triton_launch().decode_geometry(call.problem, call.page_size, call.num_splits).describe()
 
     def decode(self, call, tiles, num_splits):
-        from .triton import launch
-
-        return launch.decode(call, num_splits)
+        return _triton_launch().decode(call, num_splits)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
                  cu_seqlens_q=None, cu_seqlens_k=None):
-        from .triton import launch
-
-        return launch.backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
-                               cu_seqlens_q, cu_seqlens_k)
+        return _triton_launch().backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
+                                         tiles, cu_seqlens_q, cu_seqlens_k)
 
 
 @functools.lru_cache(maxsize=256)
@@ -307,15 +308,28 @@ _PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionProblem))
 _problem_fields = operator.attrgetter(*_PROBLEM_FIELDS)  # one C call: a decode step resolves every time
 
 
-def resolve(problem: AttentionProblem) -> tuple[str, tuple[int, ...]]:
+MAX_MEMO_REQUESTS = 64
+
+
+def resolve(problem: AttentionProblem, memo: dict | None = None) -> tuple[str, tuple[int, ...]]:
     """plan() reduced to constants (backend name, tiles): what the custom op needs.
 
     torch.compile evaluates the choice once while tracing and bakes it into the graph: the backend
     context and FLASHTILE_BACKEND are read when a function is compiled, not at each call.
+    memo: a dict the caller keeps for this problem alone (a validated KV-cache layout), holding the choice
+    per backend request, so that a repeated call neither reads nor hashes the problem's fields.
     """
     if torch.compiler.is_compiling():  # dynamo cannot trace attrgetter
         return _resolve_constant(tuple(getattr(problem, name) for name in _PROBLEM_FIELDS))
-    return _resolve_constant(_problem_fields(problem))
+    if memo is None:
+        return _resolve_constant(_problem_fields(problem))
+    key = (current_request().key, triton_configs.interpreting())
+    resolved = memo.get(key)
+    if resolved is None:
+        if len(memo) >= MAX_MEMO_REQUESTS:
+            memo.clear()
+        resolved = memo[key] = _cached_resolution(_problem_fields(problem), key)
+    return resolved
 
 
 @torch.compiler.assume_constant_result

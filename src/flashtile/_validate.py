@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -523,13 +523,15 @@ class _KVCacheLayout:
     index_copy: bool  # cache_seqlens or block_table is strided: the kernels, which index them as contiguous
     # arrays, get contiguous copies
     slopes_row: bool  # alibi_slopes came as (nheads,): used as (1, nheads)
+    # the backend and tiles chosen for this layout's problem, per backend request (_dispatch.resolve's memo)
+    resolutions: dict = field(default_factory=dict)
 
 
 # Validated layouts by signature (see _kvcache_signature): a decode loop repeats one layout at every step,
 # and on the H200's host its validation was a large part of a short call's ~100 us (BENCHMARKS.md).
 _KVCACHE_LAYOUTS: dict = {}
 MAX_KVCACHE_LAYOUTS = 1024
-_PLAIN_VALUES = (type(None), bool, int, float)
+_PLAIN_VALUES = frozenset((type(None), bool, int, float))
 
 
 def _kvcache_signature(tensors: tuple, values: tuple) -> tuple | None:
@@ -546,12 +548,11 @@ def _kvcache_signature(tensors: tuple, values: tuple) -> tuple | None:
             key.append((t.dtype, t.device, t.shape, t.stride(), t.requires_grad))
         else:
             return None
-    for value in values:
-        if type(value) not in _PLAIN_VALUES:
-            return None
-        key.append((type(value), value))
-    if torch.compiler.is_compiling():
+    types = tuple(map(type, values))
+    if not _PLAIN_VALUES.issuperset(types) or torch.compiler.is_compiling():
         return None
+    key.append(types)
+    key.append(values)
     return tuple(key)
 
 

@@ -163,7 +163,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     call = prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            num_splits=num_splits, return_softmax_lse=return_softmax_lse, check_values=check_values)
-    name, tiles = _dispatch.resolve(call.problem)  # raises before the cache is touched; cached per problem
+    name, tiles = _dispatch.resolve(call.problem, call.layout.resolutions)  # raises before the cache is touched
     backend = _dispatch.BACKENDS[name]
     kvcache.append_to_cache(call)
     out, lse = backend.decode(call, backend.tiles_from_list(tiles), call.num_splits)

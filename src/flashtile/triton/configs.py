@@ -113,8 +113,26 @@ FLAG_KEYS = ("forward_separate_ragged_end",)  # tile settings that are 0 or 1
 VARLEN_GRID_ROWS = 2048
 
 
+# Whether flashtile's kernels run in Triton's CPU interpreter. Triton decides that when a kernel is defined
+# (TRITON_INTERPRET at that moment), so once launch.py has defined them the answer is theirs and is no longer
+# read from the environment (a read cost ~1-2 us, and a decode step asked three times).
+_kernels_interpreted: bool | None = None
+
+
 def interpreting() -> bool:
+    """Whether the Triton kernels run in the CPU interpreter: as defined, once they are (record_kernel_mode);
+    before that, whether TRITON_INTERPRET is set now."""
+    if _kernels_interpreted is not None:
+        return _kernels_interpreted
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def record_kernel_mode(kernel) -> None:
+    """Called by launch.py with one of its kernels once they are defined: fixes interpreting()'s answer."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    global _kernels_interpreted
+    _kernels_interpreted = isinstance(kernel, InterpretedFunction)
 
 
 def _separate_ragged_end(problem: AttentionProblem) -> int:

@@ -27,14 +27,14 @@ from .common import finish_rows, online_softmax_step, scores
 
 @triton.jit
 def attention_decode_kernel(
-    Q, KCache, VCache, CacheSeqlens, BlockTable, Slopes, Out, Lse, PartOut, PartLse,
+    Q, KCache, VCache, CacheSeqlens, BlockTable, Slopes, Out, Lse, Part,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_table_b, stride_slopes_b,
     stride_ob, stride_om, stride_oh,
     nheads, nheads_k, group_size, seqlen_q, seqlen_new, capacity, page_size, num_blocks, blocks_per_split,
-    rows_padded, score_scale, softcap_scale, softcap_out, window_left, window_right,
+    tile_rows, part_lse_start, score_scale, softcap_scale, softcap_out, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
@@ -120,10 +120,13 @@ def attention_decode_kernel(
 
     out, lse = finish_rows(acc, l_i, m_i)
     if SPLIT:
-        # workspace (batch * nheads_k, num_splits, rows_padded, ...): the combine kernel reads it back
-        part = (pid_bhk * num_splits + split).to(tl.int64) * rows_padded + rows
-        tl.store(PartOut + part[:, None] * BLOCK_DV + offs_dv[None, :], out)
-        tl.store(PartLse + part, lse)
+        # workspace (batch * nheads_k, num_splits, tile_rows, ...), tile_rows = group_size * seqlen_q: the combine
+        # kernel reads it back. The tile's padding rows are not stored: at 1 x 4k with 16-key pages (128 splits of
+        # 4 real rows in 16) they were three quarters of the workspace's writes
+        # Part holds the partial outputs, then from part_lse_start their lse (one allocation, no view made per call)
+        part = (pid_bhk * num_splits + split).to(tl.int64) * tile_rows + rows
+        tl.store(Part + part[:, None] * BLOCK_DV + offs_dv[None, :], out, mask=row_ok[:, None])
+        tl.store(Part + part_lse_start + part, lse, mask=row_ok)
     else:
         tl.store(Out + b * stride_ob + h[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_om
                  + offs_dv[None, :], out.to(Out.dtype.element_ty),
@@ -134,9 +137,9 @@ def attention_decode_kernel(
 
 @triton.jit
 def attention_decode_combine_kernel(
-    PartOut, PartLse, Out, Lse,
+    Part, Out, Lse,
     stride_ob, stride_om, stride_oh,
-    nheads, nheads_k, group_size, seqlen_q, num_splits, rows_padded,
+    nheads, nheads_k, group_size, seqlen_q, num_splits, tile_rows, part_lse_start,
     HEADDIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """One program per (batch * K/V head, row of the tile): out = sum_s exp(lse_s - lse) o_s."""
@@ -149,14 +152,14 @@ def attention_decode_combine_kernel(
         h = (pid_bhk % nheads_k).to(tl.int64) * group_size + g
         splits = tl.arange(0, BLOCK_S)
         split_ok = splits < num_splits
-        part = (pid_bhk * num_splits + splits).to(tl.int64) * rows_padded + row
-        lses = tl.load(PartLse + part, mask=split_ok, other=float("-inf"))
+        part = (pid_bhk * num_splits + splits).to(tl.int64) * tile_rows + row
+        lses = tl.load(Part + part_lse_start + part, mask=split_ok, other=float("-inf"))
         top = tl.max(lses, 0)
         top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights 0, out 0
         weights = tl.exp(lses - top)
         total = tl.sum(weights, 0)
         offs_dv = tl.arange(0, BLOCK_DV)
-        parts = tl.load(PartOut + part[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
+        parts = tl.load(Part + part[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
         out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
         lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
         tl.store(Out + b * stride_ob + h * stride_oh + i.to(tl.int64) * stride_om + offs_dv,

@@ -28,6 +28,8 @@ from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
 from .relaunch import FixedLaunch, launch, launch_fixed
 
+configs.record_kernel_mode(attention_fwd_kernel)
+
 
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions in recent
 # Triton (triton 3.9 on the CI machine: 1.8 us a call from Python, 50x these), and a decode or fwd+bwd
@@ -468,13 +470,15 @@ def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits
 class _DecodePlan:
     """Everything a KV-cache call's launches take but the tensors, for one validated layout (see decode())."""
 
-    grid: tuple
+    grid: tuple  # three ints
     kernel: FixedLaunch  # attention_decode_kernel with its strides, sizes, score scalars and constexprs
     combine_grid: tuple
     combine: FixedLaunch | None  # attention_decode_combine_kernel, when the keys are split
     out_shape: tuple
     lse_shape: tuple | None  # None: the caller did not ask for lse, and the kernels do not store it
-    part_floats: tuple[int, int]  # floats of the split partial outputs and of their lse (0, 0 when not split)
+    part_floats: int  # floats of the split partial outputs followed by their lse (0 when not split)
+    dtype: torch.dtype  # q's, and out's
+    device: torch.device
 
 
 def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precision: str, slopes_stride: int,
@@ -492,31 +496,33 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
     _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
     out_shape = (batch, seqlen_q, p.nheads, p.headdim_v)
     out_strides = _row_strides(torch.empty(out_shape, device="meta"), 1)  # decode() allocates out contiguous
-    rows_padded = shape.row_blocks * shape.block_m
+    tile_rows = p.group_size * seqlen_q  # the rows of a (batch, K/V head) tile that exist (not its padding)
+    # the split partials: outputs (batch * nheads_k, splits, tile_rows, BLOCK_DV), then their lse from part_lse_start
+    partial_rows = batch * p.nheads_k * shape.splits * tile_rows if shape.splits > 1 else 0
+    part_lse_start = partial_rows * flags["BLOCK_DV"]
     seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
     store_lse = call.layout.return_lse
     kernel = FixedLaunch(
         attention_decode_kernel,
         (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
          *out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
-         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, rows_padded, score_scale, softcap_scale,
-         softcap_out, window_left, window_right),
+         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, tile_rows, part_lse_start, score_scale,
+         softcap_scale, softcap_out, window_left, window_right),
         dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
              PAGE_CHUNK=page_chunk(shape.block_n, call.page_size),
              SPLIT=shape.splits > 1, STORE_LSE=store_lse,
              num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
-    combine, part_floats = None, (0, 0)
+    combine = None
     if shape.splits > 1:
         combine = FixedLaunch(
             attention_decode_combine_kernel,
-            (*out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, shape.splits, rows_padded),
+            (*out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, shape.splits, tile_rows, part_lse_start),
             dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(shape.splits),
                  STORE_LSE=store_lse))
-        partial_rows = batch * p.nheads_k * shape.splits * rows_padded
-        part_floats = (partial_rows * flags["BLOCK_DV"], partial_rows)
     return _DecodePlan((shape.splits, batch * p.nheads_k, shape.row_blocks), kernel,
-                       (batch * p.nheads_k, p.group_size * seqlen_q), combine, out_shape,
-                       (batch, p.nheads, seqlen_q) if store_lse else None, part_floats)
+                       (batch * p.nheads_k, p.group_size * seqlen_q, 1), combine, out_shape,
+                       (batch, p.nheads, seqlen_q) if store_lse else None, part_lse_start + partial_rows, q.dtype,
+                       q.device)
 
 
 # Plans by (validated layout, split request, geometry override, dot precision). A layout is compared by
@@ -545,20 +551,15 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
         if len(_DECODE_PLANS) >= MAX_DECODE_PLANS:
             _DECODE_PLANS.clear()
         plan = _DECODE_PLANS[key] = _decode_plan(call, num_splits, geometry, precision, slopes_stride, table)
-    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
-    lse = None if plan.lse_shape is None else torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
+    lse = None if plan.lse_shape is None else torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
     if plan.out_shape[0] == 0:
         return out, lse
     lse_arg = out if lse is None else lse  # never written without STORE_LSE
-    if plan.combine is None:
-        part_out = part_lse = lse_arg  # never read or written
-    else:
-        # one allocation for both partial results (a host-bound decode step feels each torch.empty)
-        out_floats, lse_floats = plan.part_floats
-        part_out = torch.empty(out_floats + lse_floats, dtype=torch.float32, device=q.device)
-        part_lse = part_out[out_floats:]
-    launch_fixed(plan.kernel, plan.grid,
-                 (q, call.k_cache, call.v_cache, call.cache_seqlens, table, slopes, out, lse_arg, part_out, part_lse))
+    # one allocation for the partial outputs and their lse (a host-bound decode step feels each torch.empty)
+    part = lse_arg if plan.combine is None else torch.empty(plan.part_floats, dtype=torch.float32, device=plan.device)
+    launch_fixed(plan.kernel, plan.grid, (q, call.k_cache, call.v_cache, call.cache_seqlens, table, slopes, out,
+                                          lse_arg, part))
     if plan.combine is not None:
-        launch_fixed(plan.combine, plan.combine_grid, (part_out, part_lse, out, lse_arg))
+        launch_fixed(plan.combine, plan.combine_grid, (part, out, lse_arg))
     return out, lse

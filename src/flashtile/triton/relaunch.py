@@ -36,7 +36,9 @@ Triton's debug knobs are read when a key is first seen.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -62,7 +64,9 @@ class FixedLaunch:
     """A kernel with its scalar arguments and constexprs / launch options fixed, for `launch_fixed`.
 
     Compared and hashed by identity: whoever builds one keeps it for as long as the scalars hold (a
-    decode plan per validated layout), and every relaunch finds its compiled kernel by that identity."""
+    decode plan per validated layout), and every relaunch finds its compiled kernel by that identity.
+    Its tensor arguments are plain torch tensors whose dtypes are fixed with it (the layout fixes them), so
+    a relaunch keys on the tensors' 16-byte alignment only."""
 
     kernel: Any
     scalars: tuple
@@ -246,12 +250,15 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, **options) -> No
 
 
 def launch_fixed(fixed: FixedLaunch, grid: tuple, tensors: tuple) -> None:
-    """launch(fixed.kernel, grid, tensors, fixed.scalars, **fixed.options), keyed by `fixed` itself."""
+    """launch(fixed.kernel, grid, tensors, fixed.scalars, **fixed.options), keyed by `fixed` itself, the device
+    and the tensors' alignment (their dtypes are fixed with `fixed`). grid: three ints."""
     if interpreting():
         fixed.kernel[grid](*tensors, *fixed.scalars, **fixed.options)
         return
     device = _device()
-    tensor_keys, tensor_arguments = _keys_and_arguments(tensors)
+    addresses = [t.data_ptr() for t in tensors]
+    # Triton specialises each pointer on 16-byte alignment; one test covers the usual case, all aligned
+    alignment = True if not functools.reduce(operator.or_, addresses) & 15 else tuple(a & 15 == 0 for a in addresses)
     # the key holds `fixed`, so its identity cannot be reused while the entry lives
-    _launch_keyed((fixed, device, tensor_keys), fixed.kernel, grid, tensors, tensor_arguments, fixed.scalars,
-                  fixed.options, device)
+    _launch_keyed((fixed, device, alignment), fixed.kernel, grid, tensors, addresses, fixed.scalars, fixed.options,
+                  device)
