@@ -165,7 +165,8 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
 
 def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monkeypatch):
     """On a 132-SM GPU: batch 1 of a contiguous cache splits at about two waves with 3 stages, batch 64 fills the GPU
-    unsplit with 2, a cache of two key blocks stays unsplit, pages of 256 keep the four-wave tile, pages of 16 take
+    unsplit with 2, a cache of two key blocks stays unsplit, pages of 256 keep the four-wave tile (down to 2 key
+    blocks a split), pages of 16 take
     16-key blocks when split (4 stages and up to 128 splits where 8 stages would outnumber a split's key blocks) and
     64-key blocks when not, and an explicit split count picks the tile by whether it splits."""
     from flashtile._validate import prepare_kvcache
@@ -189,6 +190,9 @@ def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monke
         assert geometry(64, 256) == (1, 64, 2)  # 512 programs fill the GPU
         assert geometry(1, 128) == (1, 64, 2)  # two key blocks: nothing to split
         assert geometry(1, 32768, page=256) == (64, 64, 2)
+        assert geometry(1, 8192, page=256) == (64, 64, 2)  # 2 key blocks a split
+        assert geometry(1, 4096, page=256) == (32, 64, 2)
+        assert geometry(8, 4096, page=256) == (8, 64, 2)  # four waves: 8 blocks a split
         assert geometry(1, 32768, page=16) == (64, 16, 8)
         assert geometry(1, 16384, page=16) == (64, 16, 8)  # 16 key blocks a split
         assert geometry(1, 8192, page=16) == (128, 16, 4)  # 8 at 64 splits: no more than the 8 stages
@@ -475,15 +479,16 @@ def test_explain_names_the_decode_schedule(backend):
 
 
 def test_default_decode_tile_per_cache_layout():
-    """Unsplit launches and pages a multiple of 64 keys share one measured tile; split launches over a contiguous
-    cache take one of their own, and over other page sizes (multiples of 16) 16-key blocks, which divide the page."""
+    """Unsplit launches share one measured tile; split launches over a contiguous cache take one of their own, over
+    pages a multiple of 64 keys the same blocks with splits of fewer key blocks, and over other page sizes (multiples
+    of 16) 16-key blocks, which divide the page."""
     from flashtile.triton import launch
 
     for page_size in (None, 16, 96, 64, 256):
         assert launch.default_decode_tile(page_size) is launch.DECODE_TILE
     assert launch.default_decode_tile(None, split=True) is launch.DECODE_TILE_CONTIGUOUS_SPLIT
-    assert launch.default_decode_tile(256, split=True) is launch.DECODE_TILE
-    assert launch.default_decode_tile(64, split=True) is launch.DECODE_TILE
+    assert launch.default_decode_tile(256, split=True) is launch.DECODE_TILE_LARGE_PAGES_SPLIT
+    assert launch.default_decode_tile(64, split=True) is launch.DECODE_TILE_LARGE_PAGES_SPLIT
     assert launch.default_decode_tile(16, split=True) is launch.DECODE_TILE_SMALL_PAGES
     assert launch.default_decode_tile(96, split=True) is launch.DECODE_TILE_SMALL_PAGES
     for page_size in range(16, 1025, 16):

@@ -384,6 +384,10 @@ class DecodeTile:
 # 16-key blocks stayed ahead but at 1 x 4k: 8 x 4k 39.7 against 40.8, 1 x 32k 40.8 against 42.2, 1 x 128k 130.6
 # against 134.8, 8 x 128k equal, 1 x 4k 10.9 against 10.3).
 DECODE_TILE = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
+# Split launches over pages of a multiple of 64 keys: the same tile, down to 2 key blocks a split (session 19, pages
+# of 256, kernels replayed from CUDA graphs: 1 x 4k 9.3 us at 32 splits against 10.2 at the 16 that 4 blocks a split
+# allowed, 1 x 8k 11.8 at 64 against 12.6 at 32; from 1 x 16k and at batch 8 the split count does not change)
+DECODE_TILE_LARGE_PAGES_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4, min_blocks_per_split=2)
 DECODE_TILE_CONTIGUOUS_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=3, waves=2)
 DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
 # Short caches in pages smaller than 64 keys, where DECODE_TILE_SMALL_PAGES would give each split no more key blocks
@@ -405,8 +409,10 @@ def default_decode_tile(page_size: int | None, split: bool = False) -> DecodeTil
     each sequence's keys (a contiguous cache, and pages that are not a multiple of 64 keys, then take their own)."""
     if page_size is None:
         return DECODE_TILE_CONTIGUOUS_SPLIT if split else DECODE_TILE
-    if page_size % DECODE_TILE.block_n == 0 or not split:
+    if not split:
         return DECODE_TILE
+    if page_size % DECODE_TILE.block_n == 0:
+        return DECODE_TILE_LARGE_PAGES_SPLIT
     return DECODE_TILE_SMALL_PAGES
 
 
