@@ -12,8 +12,9 @@ same compiled kernel: the dtype and 16-byte alignment of every tensor, the dtype
 every host-side tensor descriptor, the exact value and type of every scalar argument, every constexpr
 and launch option, and the current device. A new key goes through `kernel[grid]` (which compiles if it
 must) and records the result. Under the interpreter every call goes through Triton. `launch_fixed` does
-the same for a `FixedLaunch`, a kernel whose scalars and constexprs a caller has fixed once (a decode
-plan): its key is that object, so a launch hashes neither the scalars nor the constexprs.
+the same for a `FixedLaunch`, a kernel whose scalars, constexprs and tensor dtypes a caller has fixed once
+(a decode plan): its key is that object, the device and the tensors' alignment, so a launch hashes neither
+the scalars nor the constexprs and reads no dtype.
 
 A relaunch passes tensors as their addresses (ints), which Triton's launcher takes as they are, instead
 of tensors, for which it calls data_ptr() and asks the driver about the pointer once per argument; and,
