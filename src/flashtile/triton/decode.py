@@ -120,10 +120,10 @@ def attention_decode_kernel(
 
     out, lse = finish_rows(acc, l_i, m_i)
     if SPLIT:
-        # workspace (batch * nheads_k, num_splits, tile_rows, ...), tile_rows = group_size * seqlen_q: the combine
-        # kernel reads it back. The tile's padding rows are not stored: at 1 x 4k with 16-key pages (128 splits of
-        # 4 real rows in 16) they were three quarters of the workspace's writes
-        # Part holds the partial outputs, then from part_lse_start their lse (one allocation, no view made per call)
+        # workspace Part: the partial outputs (batch * nheads_k, num_splits, tile_rows, BLOCK_DV), tile_rows =
+        # group_size * seqlen_q, then from part_lse_start their lse (one allocation, no view made per call); the
+        # combine kernel reads it back. The tile's padding rows are not stored: at 1 x 4k with 16-key pages (128
+        # splits of 4 real rows in 16) they were three quarters of the workspace's writes
         part = (pid_bhk * num_splits + split).to(tl.int64) * tile_rows + rows
         tl.store(Part + part[:, None] * BLOCK_DV + offs_dv[None, :], out, mask=row_ok[:, None])
         tl.store(Part + part_lse_start + part, lse, mask=row_ok)
