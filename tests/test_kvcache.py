@@ -166,9 +166,9 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
 def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monkeypatch):
     """On a 132-SM GPU: batch 1 of a contiguous cache splits at about two waves with 3 stages, batch 64 fills the GPU
     unsplit with 2, a cache of two key blocks stays unsplit, pages of 256 keep the four-wave tile (down to 2 key
-    blocks a split), pages of 16 take
-    16-key blocks when split (4 stages and up to 128 splits where 8 stages would outnumber a split's key blocks) and
-    64-key blocks when not, and an explicit split count picks the tile by whether it splits."""
+    blocks a split), pages of 16 take 16-key blocks when split (4 stages and up to 128 splits where 8 stages would
+    outnumber a split's key blocks) and 64-key blocks when not, and an explicit split count picks the tile by whether
+    it splits."""
     from flashtile._validate import prepare_kvcache
     from flashtile.triton import launch
 

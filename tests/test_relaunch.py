@@ -101,21 +101,28 @@ class _FakeCompiled:
         return lambda *args: self.grid_launches.append((grid, args))
 
 
-def _relaunch_fake(monkeypatch, compiled, version: str = "3.6.0"):
-    """Launch a stand-in JIT function twice through relaunch.launch: the second launch is a relaunch of
-    `compiled` (the first one's result). Returns the tensors passed."""
+class _JitFunction:
+    """Stands in for a JIT function: what _constexpr_tail reads is the Python function behind the kernel."""
+
+    @staticmethod
+    def fn(X, Y, n, BLOCK: "tl.constexpr" = 16):  # noqa: F821 - an annotation, as Triton kernels write it
+        pass
+
+
+def _fake_relaunch_path(monkeypatch, first_launch, version: str = "3.6.0"):
+    """Switch the relaunch path on as on a GPU, with `first_launch` standing for Triton's own launch."""
     monkeypatch.setattr(relaunch, "interpreting", lambda: False)
     monkeypatch.setattr(relaunch, "_compiled", {})
     monkeypatch.setattr(relaunch, "_stream_getter", lambda: lambda device: 77 + device)
-    monkeypatch.setattr(relaunch, "_first_launch", lambda kernel, grid, args, options: compiled)
+    monkeypatch.setattr(relaunch, "_first_launch", first_launch)
     monkeypatch.setattr(relaunch.triton, "__version__", version)
 
-    class JitFunction:  # what _constexpr_tail reads: the Python function behind the kernel
-        @staticmethod
-        def fn(X, Y, n, BLOCK: "tl.constexpr" = 16):  # noqa: F821 - an annotation, as Triton kernels write it
-            pass
 
-    x, y, kernel = torch.empty(16), torch.empty(16)[2:], JitFunction()  # one kernel object: its identity is keyed
+def _relaunch_fake(monkeypatch, compiled, version: str = "3.6.0"):
+    """Launch a stand-in JIT function twice through relaunch.launch: the second launch is a relaunch of
+    `compiled` (the first one's result). Returns the tensors passed."""
+    _fake_relaunch_path(monkeypatch, lambda kernel, grid, args, options: compiled, version)
+    x, y, kernel = torch.empty(16), torch.empty(16)[2:], _JitFunction()  # one kernel object: its identity is keyed
     for _ in range(2):
         relaunch.launch(kernel, (3, 2), (x, y), (5,), BLOCK=32)
     return x, y
@@ -146,24 +153,14 @@ def test_a_fixed_launch_is_keyed_by_its_tensors_alignment(monkeypatch, on_cpu_de
     """launch_fixed relaunches one compiled kernel for tensors at any 16-byte-aligned addresses, each launch with
     its own tensors' addresses, and goes through Triton again (a key of its own) when a tensor sits off a 16-byte
     boundary, which Triton specialises pointers on."""
-    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
-    monkeypatch.setattr(relaunch, "_compiled", {})
-    monkeypatch.setattr(relaunch, "_stream_getter", lambda: lambda device: 77 + device)
-    monkeypatch.setattr(relaunch.triton, "__version__", "3.6.0")
     firsts = []
 
     def first_launch(kernel, grid, args, options):
         firsts.append(args)
         return _FakeCompiled(_FakeLauncher())
 
-    monkeypatch.setattr(relaunch, "_first_launch", first_launch)
-
-    class JitFunction:
-        @staticmethod
-        def fn(X, Y, n, BLOCK: "tl.constexpr" = 16):  # noqa: F821 - an annotation, as Triton kernels write it
-            pass
-
-    fixed = relaunch.FixedLaunch(JitFunction(), (5,), {"BLOCK": 32})
+    _fake_relaunch_path(monkeypatch, first_launch)
+    fixed = relaunch.FixedLaunch(_JitFunction(), (5,), {"BLOCK": 32})
     aligned = [(torch.empty(16), torch.empty(16)) for _ in range(2)]
     misaligned = [(torch.empty(16), torch.empty(18)[2:]) for _ in range(2)]  # 8 bytes off a boundary
     for tensors in (aligned[0], aligned[1], misaligned[0], misaligned[1], aligned[0]):

@@ -526,7 +526,7 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
             dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(shape.splits),
                  STORE_LSE=store_lse))
     return _DecodePlan((shape.splits, batch * p.nheads_k, shape.row_blocks), kernel,
-                       (batch * p.nheads_k, p.group_size * seqlen_q, 1), combine, out_shape,
+                       (batch * p.nheads_k, tile_rows, 1), combine, out_shape,
                        (batch, p.nheads, seqlen_q) if store_lse else None, part_lse_start + partial_rows, q.dtype,
                        q.device)
 

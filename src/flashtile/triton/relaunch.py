@@ -227,7 +227,8 @@ def _launch_keyed(key, kernel, grid: tuple, tensors: tuple, tensor_arguments: li
                           _hookless_launcher(compiled))
         return
     compiled, tail, hookless = entry
-    grid = tuple(grid) + (1,) * (3 - len(grid))
+    if len(grid) != 3:  # the launchers take three (decode plans keep theirs as three)
+        grid = tuple(grid) + (1,) * (3 - len(grid))
     if hookless is not None and not _hooked():
         hookless(grid, device, (*tensor_arguments, *scalars, *tail))
     else:
@@ -252,13 +253,13 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, **options) -> No
 
 def launch_fixed(fixed: FixedLaunch, grid: tuple, tensors: tuple) -> None:
     """launch(fixed.kernel, grid, tensors, fixed.scalars, **fixed.options), keyed by `fixed` itself, the device
-    and the tensors' alignment (their dtypes are fixed with `fixed`). grid: three ints."""
+    and the tensors' alignment (their dtypes are fixed with `fixed`). grid: up to three ints."""
     if interpreting():
         fixed.kernel[grid](*tensors, *fixed.scalars, **fixed.options)
         return
     device = _device()
     addresses = [t.data_ptr() for t in tensors]
-    # Triton specialises each pointer on 16-byte alignment; one test covers the usual case, all aligned
+    # Triton specialises each pointer on 16-byte alignment; one check covers the usual case, all aligned
     alignment = True if not functools.reduce(operator.or_, addresses) & 15 else tuple(a & 15 == 0 for a in addresses)
     # the key holds `fixed`, so its identity cannot be reused while the entry lives
     _launch_keyed((fixed, device, alignment), fixed.kernel, grid, tensors, addresses, fixed.scalars, fixed.options,
