@@ -1,8 +1,9 @@
-"""CPU check of the foundation's speed and memory claims (issue: within 1.5x of torch SDPA).
+"""flashtile's torch backend against torch SDPA's fused CPU kernel: time, and memory, on the CPU.
 
 Times flashtile's torch backend and torch.nn.functional.scaled_dot_product_attention on the same
-random inputs, interleaving the two so that machine noise hits both, and reports medians and the
-ratio; then measures peak memory growth of forward+backward at 16k tokens.
+random inputs (batch 1, 8 heads, 2048 tokens, d 64, fp32; forward and forward+backward, causal and
+not), interleaving the two so that machine noise hits both, and reports medians, the kernels each ran
+and the ratio; then measures the peak memory growth of forward+backward at 16k tokens.
 
     .venv/bin/python benchmarks/cpu_vs_sdpa.py
 """

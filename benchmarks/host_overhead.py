@@ -144,8 +144,8 @@ def main() -> None:
             for schedule, launches in (((0, "two-launch"), (1, "one-launch")) if quick is None else ()):
                 with flashtile.use_backend("triton", backward_schedule=schedule):
                     timed(f"d {d}, {h} heads, 1k causal fwd+bwd, {launches} backward", step)
-            # the forward alone, both ways: the grid's 1k causal forward cells are the ones whose kernels take
-            # about as long as the call's host time (BENCHMARKS.md, session 8)
+            # the forward alone, causal and not: at 1k tokens a forward's kernels take about as long as issuing
+            # the call, so these rows show which of the two sets the pace
             for causal in (True, False):
                 with torch.no_grad():
                     timed(f"d {d}, {h} heads, 1k {'causal' if causal else 'non-causal'} forward alone",

@@ -1,5 +1,4 @@
-"""Where a 1k causal fwd+bwd step's host time goes, and whether the GPU waits for it (H200; BENCHMARKS.md,
-eighteenth session).
+"""Where a 1k causal fwd+bwd step's host time goes, and whether the GPU waits for it, on a GPU.
 
 For d 128 x 16 heads and d 64 x 32 heads (batch 16, 1k tokens, causal, bf16):
 1. host us per step (lowest / median of 9 x 40 calls issued back to back) for flashtile, for flashtile with the

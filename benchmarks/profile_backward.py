@@ -37,19 +37,22 @@ def parse(text: str) -> tuple[int, int, int, int]:
 
 
 class Relaunch:
-    """Stands in for a Triton kernel: launches it with other tiles, recomputing the grid's first axis."""
+    """Stands in for a Triton kernel: launches it with other tiles, recomputing its programs per (batch, head) (the
+    scalar argument `programs_arg`) and the one-axis grid."""
 
-    def __init__(self, kernel, config: tuple[int, int, int, int], length_arg: str):
-        self.kernel, self.config, self.length_arg = kernel, config, length_arg
+    def __init__(self, kernel, config: tuple[int, int, int, int], length_arg: str, programs_arg: str):
+        self.kernel, self.config, self.length_arg, self.programs_arg = kernel, config, length_arg, programs_arg
 
     def __getitem__(self, grid):
         def launch_with(*args, **kwargs):
             block_m, block_n, warps, stages = self.config
-            names = self.kernel.arg_names
-            length = args[names.index(self.length_arg)]
+            names, args = self.kernel.arg_names, list(args)
             rows = block_n if self.length_arg == "seqlen_k" else block_m  # dK/dV programs own key blocks
+            count = names.index(self.programs_arg)
+            pairs = grid[0] // args[count]  # (batch, head) pairs: the grid is programs x pairs
+            args[count] = triton.cdiv(args[names.index(self.length_arg)], rows)
             kwargs.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            return self.kernel[(triton.cdiv(length, rows), grid[1])](*args, **kwargs)
+            return self.kernel[(args[count] * pairs,)](*args, **kwargs)
         return launch_with
 
 
@@ -103,12 +106,12 @@ def main() -> None:
                 base = triton.testing.do_bench(backward, warmup=25, rep=100, return_mode="median")
                 print(f"{tag}: backward with the table's tiles {base:.3f} ms = {flops / base / 1e9:.0f} "
                       f"TFLOP/s ({tiles.describe(call.problem)})", flush=True)
-                for kind, configs, name, length_arg in (
-                        ("dkdv", args.dkdv, "attention_bwd_dkdv_kernel", "seqlen_k"),
-                        ("dq", args.dq, "attention_bwd_dq_kernel", "seqlen_q")):
+                for kind, configs, name, length_arg, programs_arg in (
+                        ("dkdv", args.dkdv, "attention_bwd_dkdv_kernel", "seqlen_k", "key_programs"),
+                        ("dq", args.dq, "attention_bwd_dq_kernel", "seqlen_q", "query_programs")):
                     original = getattr(launch, name)
                     for text in filter(None, configs.split(",")):
-                        setattr(launch, name, Relaunch(original, parse(text), length_arg))
+                        setattr(launch, name, Relaunch(original, parse(text), length_arg, programs_arg))
                         try:
                             ms = triton.testing.do_bench(backward, warmup=25, rep=100, return_mode="median")
                             print(f"{tag}: {kind} {text}: backward {ms:.3f} ms = {flops / ms / 1e9:.0f} "

@@ -1,13 +1,14 @@
 """Packed variable-length batch against the dense kernel and against padding, on a GPU.
 
-64 sequences with lengths drawn log-uniformly from 64..8192 (seeded), 16 heads of d = 128, bf16.
+64 sequences with lengths drawn log-uniformly from 64..8192 (seeded), 16 heads of d = 128, bf16 (--sequences,
+--min-len, --max-len, --heads, --headdim change them).
 Rows (median of triton.testing.do_bench, forward and forward+backward, causal and not):
   varlen   flash_attn_varlen_func on the packed batch; FLOPs of the real tokens, sum_i 4 L_i^2 d H
   padded   flash_attn_func on the batch padded to the longest sequence; the same real FLOPs
            (the padding is wasted work), so its TFLOP/s is directly comparable
   dense    flash_attn_func on batch x 4096 with the same total tokens (the dense kernel's rate; with
            --equal-lengths, the same sequences as a dense batch)
-The issue's bar: varlen >= 0.9x dense, and faster than padded.
+Then, per mode, varlen / dense and varlen / padded.
 With --bwd-tiles (backward configs in tune_triton.py's syntax, e.g. 32x64w4s3t1 or, with the dQ kernel's own
 tile, 32x128w4s3t2q128x64w8) it then times the varlen
 forward+backward under each of them, beside the dense rate measured above with the table's tiles; with
@@ -18,8 +19,7 @@ backward with that max_seqlen hint instead of the longest length: the grids then
 sequence and the programs of longer sequences loop (fewer programs that exit at once, longer ones in the tail).
 With --equal-lengths every sequence has the mean length of the log-uniform draw (same sequence count,
 about the same tokens) and "dense" is the same batch unpacked: what the varlen code path itself costs,
-without short sequences beside long ones and without the grid's programs for blocks past a sequence's
-end (the grid covers max_seqlen for every sequence, so with the log-uniform draw ~80% of them exit at once).
+without short sequences beside long ones.
 
     python benchmarks/varlen_vs_dense.py [--bwd-tiles 64x128w8s3t1,32x64w4s3t1] [--equal-lengths]
 """

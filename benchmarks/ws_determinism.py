@@ -1,10 +1,11 @@
-"""Narrow down the warp-specialized forward's failures on a Hopper GPU (schedule 2, BENCHMARKS.md).
+"""Determinism and accuracy of the warp-specialized forward (schedule 2) on a Hopper GPU.
 
 For each tile configuration and shape, runs the forward 30 times on the same inputs and reports how
-many runs differ bitwise from the first, and the largest error against float64 on a sub-sample of
-rows — for schedule 2 (TMA + warp specialization) and, as a control, schedule 1 (TMA only). Before
-session 6 the 128-row schedule-2 tiles were wrong wherever the element mask applied (a band, a ragged
-key end; errors ~0.15): this script found it, and shows the fix (fwd_tma.py, m0_desc).
+many runs differ bitwise from the first, how many hold NaN, and the largest error against float64 on
+the last 64 rows — for schedule 2 (TMA + warp specialization) and, as a control, schedule 1 (TMA
+only). The shapes include a ragged key end and a causal band: there the element mask applies, and
+128-row warp-specialized tiles are right only if each consumer warpgroup masks its own query rows
+(fwd_tma.py, m0_desc).
 
     python benchmarks/ws_determinism.py
     python benchmarks/ws_determinism.py --stress 120   # reruns for 120 s
@@ -12,7 +13,7 @@ key end; errors ~0.15): this script found it, and shows the fix (fwd_tma.py, m0_
 --stress reruns the warp-specialized forward at its fastest tiles (d = 128, whole key blocks, no band) on two
 shapes (with --target table-tma: the table's TMA forward and backward at 4k keys) for the given seconds and
 counts the runs that differ bitwise from the first; run several at once, or beside other GPU work, to look for
-a race that only shows under contention.
+a race that only shows under contention (benchmarks/h200_runbook.sh wsstress runs four beside the test suite).
 
     python benchmarks/ws_determinism.py --stress 120 --target table-tma
 """
@@ -40,9 +41,8 @@ SHAPES = [  # batch, seqlen, nheads, nheads_k, headdim, causal
 WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_stages=2)  # the fastest measured
 
 
-# what --stress reruns: the warp-specialized forward at its fastest tiles, or the table's TMA schedules
-# (forward schedule 1 with host-side descriptors since session 7; backward schedule 3, d = 128 from 4k keys,
-# whose descriptors are built in the kernel), as a control for the warp-specialized schedule's race
+# what --stress reruns: the warp-specialized forward at its fastest tiles, or, as a control for its race, the
+# table's TMA schedules at d = 128 and 4k keys (forward schedule 1, backward schedule 3, host-side descriptors)
 STRESS_TARGETS = {"ws": (WS_TILES, False), "table-tma": ({}, True)}
 
 

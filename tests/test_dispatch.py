@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -120,3 +122,40 @@ def test_explain_sdpa_and_errors():
     text = flashtile.explain(q, q, q.double(), api="scaled_dot_product_attention")
     assert text.startswith("this call would raise TypeError") and "share one dtype" in text
     assert "has no argument(s) ['causal']" in flashtile.explain(q, q, q, api="scaled_dot_product_attention", causal=True)
+
+
+def test_kernels_launch_on_the_tensors_gpu_not_the_current_one(monkeypatch):
+    """Triton launches on the current CUDA device: the Triton backend makes the tensors' device current for every
+    pass (tensors on cuda:1 while cuda:0 is current, a model split across GPUs) and leaves it alone otherwise.
+    test_gpu.py runs this on two GPUs."""
+    from flashtile import _dispatch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert isinstance(_dispatch.on_device(torch.device("cuda", 1)), torch.cuda.device)
+    assert _dispatch.on_device(torch.device("cuda", 1)).idx == 1
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        assert not isinstance(_dispatch.on_device(device), torch.cuda.device), device
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    class Launchers:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: entered.append(name)
+
+    monkeypatch.setattr(_dispatch, "on_device", Guard)
+    monkeypatch.setattr(_dispatch, "_triton_launch", lambda: Launchers())
+    backend, gpu = _dispatch.BACKENDS["triton"], torch.device("cuda", 1)
+    q = SimpleNamespace(device=gpu)  # what the backend reads of a tensor before handing it to the launchers
+    backend.forward(q, q, q, None, None, None, None)
+    backend.backward(q, None, q, q, q, q, q, None, None, None, None)
+    backend.decode(SimpleNamespace(q=q), None, 0)
+    assert entered == [gpu, "forward", "exit", gpu, "backward", "exit", gpu, "decode", "exit"]

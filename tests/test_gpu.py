@@ -315,3 +315,71 @@ def test_kvcache_decode_step_never_synchronises_by_default(page_size):
                                                   check_values=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+# One query or one key at every head dim the tile table tells apart (widths up to 64, up to 128 and above, powers of
+# two and padded): Triton compiles an integer argument equal to 1 as a constant, a specialisation of its own, and
+# triton 3.6's ptxas crashed on the TMA backward compiled for one key (launch.backward takes pointer loads there).
+SEQLEN_ONE = {"q1-k1": (1, 1), "q1-k239": (1, 239), "q239-k1": (239, 1)}
+SEQLEN_ONE_HEADDIMS = (16, 32, 40, 64, 80, 96, 128, 160, 192, 256)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("headdim", SEQLEN_ONE_HEADDIMS, ids=[f"d{d}" for d in SEQLEN_ONE_HEADDIMS])
+@pytest.mark.parametrize("lengths", SEQLEN_ONE.values(), ids=SEQLEN_ONE.keys())
+def test_one_query_or_one_key_compiles_and_follows_the_oracle(lengths, headdim, causal, dtype, seed):
+    seqlen_q, seqlen_k = lengths
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 6, 6, headdim, headdim, dtype, requires_grad=True)
+    kwargs = {"causal": causal}
+    with flashtile.use_backend("triton"):
+        got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, **kwargs), (q, k, v), dtype,
+                                            seed)
+
+
+def test_more_than_65535_batch_heads_launch(seed):
+    """batch x nheads = 131,072 programs' worth of (batch, head) pairs, past the 65,535 of CUDA's grid axes 1 and 2:
+    the forward, the backward (one launch and two) and a split decode against the float64 oracle."""
+    dtype = torch.float16
+    for headdim, backward_schedule in ((64, 2), (128, 3)):
+        q, k, v = random_qkv(4096, 5, 9, 32, 32, headdim, headdim, dtype, requires_grad=True)
+        with flashtile.use_backend("triton", backward_schedule=backward_schedule):
+            got = flashtile.flash_attn_func(q, k, v, return_lse=True, causal=True)
+        assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, causal=True),
+                                                flash_attn_reference(q, k, v, causal=True, dtype=dtype), (q, k, v),
+                                                dtype, seed)
+    k_cache, v_cache = (torch.randn(4096, 128, 32, 64, device=DEVICE, dtype=dtype) for _ in range(2))
+    query = torch.randn(4096, 1, 32, 64, device=DEVICE, dtype=dtype)
+    lengths = torch.randint(1, 129, (4096,), device=DEVICE, dtype=torch.int32)
+    out = flashtile.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=lengths, num_splits=2)
+    keys = torch.arange(128, device=DEVICE)[None, :] < lengths[:, None].long()  # (batch, keys)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.double().transpose(1, 2), k_cache.double().transpose(1, 2), v_cache.double().transpose(1, 2),
+        attn_mask=keys[:, None, None, :]).transpose(1, 2)
+    eager = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+        attn_mask=keys[:, None, None, :]).transpose(1, 2)
+    assert_close_to_oracle("decode out", out, want, eager, dtype, seed)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tensors_on_another_gpu_run_on_that_gpu(seed):
+    """Tensors on cuda:1 while cuda:0 is the current device (a model split across GPUs): the kernels run on the
+    tensors' GPU and give the bits they give there as the current device."""
+    dtype = torch.bfloat16
+    runs = []
+    for current in (1, 0):
+        torch.manual_seed(seed)
+        q, k, v = (t.to("cuda:1").detach().requires_grad_() for t in random_qkv(2, 300, 300, 4, 2, 128, 128, dtype))
+        k_cache, v_cache = (torch.randn(2, 512, 2, 128, device="cuda:1", dtype=dtype) for _ in range(2))
+        with torch.cuda.device(current):
+            out = flashtile.flash_attn_func(q, k, v, causal=True)
+            grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+            decoded = flashtile.flash_attn_with_kvcache(q[:, :1].detach(), k_cache, v_cache, cache_seqlens=400,
+                                                        num_splits=3)
+            torch.cuda.synchronize("cuda:1")
+        runs.append((out, *grads, decoded))
+    for index, (a, b) in enumerate(zip(*runs)):
+        assert a.device == torch.device("cuda:1") and torch.equal(a, b), f"result {index} differs"

@@ -109,19 +109,20 @@ class _JitFunction:
         pass
 
 
-def _fake_relaunch_path(monkeypatch, first_launch, version: str = "3.6.0"):
-    """Switch the relaunch path on as on a GPU, with `first_launch` standing for Triton's own launch."""
+def _fake_relaunch_path(monkeypatch, first_launch):
+    """Switch the relaunch path on as on a GPU with a Triton release it is enabled for, with `first_launch`
+    standing for Triton's own launch."""
     monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "FAST_LAUNCH", True)
     monkeypatch.setattr(relaunch, "_compiled", {})
     monkeypatch.setattr(relaunch, "_stream_getter", lambda: lambda device: 77 + device)
     monkeypatch.setattr(relaunch, "_first_launch", first_launch)
-    monkeypatch.setattr(relaunch.triton, "__version__", version)
 
 
-def _relaunch_fake(monkeypatch, compiled, version: str = "3.6.0"):
+def _relaunch_fake(monkeypatch, compiled):
     """Launch a stand-in JIT function twice through relaunch.launch: the second launch is a relaunch of
     `compiled` (the first one's result). Returns the tensors passed."""
-    _fake_relaunch_path(monkeypatch, lambda kernel, grid, args, options: compiled, version)
+    _fake_relaunch_path(monkeypatch, lambda kernel, grid, args, options: compiled)
     x, y, kernel = torch.empty(16), torch.empty(16)[2:], _JitFunction()  # one kernel object: its identity is keyed
     for _ in range(2):
         relaunch.launch(kernel, (3, 2), (x, y), (5,), BLOCK=32)
@@ -140,13 +141,76 @@ def test_a_relaunch_calls_the_compiled_launcher_with_addresses_and_no_hooks(monk
                                   x.data_ptr(), y.data_ptr(), 5, 32)]
 
 
-@pytest.mark.parametrize("version, scratch", [("3.9.0", 0), ("3.6.0", 256)], ids=("other-version", "scratch"))
-def test_a_relaunch_goes_through_run_for_other_versions_and_scratch(monkeypatch, on_cpu_device, version, scratch):
-    launcher = _FakeLauncher(scratch)
+def test_a_kernel_that_needs_scratch_memory_is_relaunched_through_triton(monkeypatch, on_cpu_device):
+    """Scratch memory is allocated by Triton's own launch path: such a kernel is relaunched with compiled[grid]."""
+    launcher = _FakeLauncher(scratch=256)
     compiled = _FakeCompiled(launcher)
-    x, y = _relaunch_fake(monkeypatch, compiled, version)
-    assert not launcher.launches and not compiled.grid_launches
-    assert launcher.runs == [(3, 2, 1, 77, 1234, (4, 1, 0), None, None, None, x.data_ptr(), y.data_ptr(), 5, 32)]
+    x, y = _relaunch_fake(monkeypatch, compiled)
+    assert not launcher.launches and not launcher.runs
+    assert compiled.grid_launches == [((3, 2, 1), (x, y, 5, 32))]
+
+
+@pytest.mark.parametrize("version, switch, enabled", [("3.6.0", None, True), ("3.6.0", "0", False),
+                                                     ("3.6.0", "off", False), ("3.6.0", "1", True),
+                                                     ("3.6.1", None, False), ("3.9.0", None, False),
+                                                     ("3.9.0", "1", False)])
+def test_the_fast_launch_runs_only_on_tested_triton_releases_and_can_be_switched_off(version, switch, enabled):
+    environ = {} if switch is None else {relaunch.FAST_LAUNCH_SWITCH: switch}
+    assert relaunch.fast_launch_enabled(version, environ) is enabled
+
+
+def test_without_the_fast_launch_every_launch_goes_through_triton(monkeypatch, on_cpu_device):
+    """FAST_LAUNCH off (another Triton release, or FLASHTILE_FAST_LAUNCH=0): kernel[grid] every time, with the
+    tensors themselves, and nothing is kept."""
+    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "FAST_LAUNCH", False)
+    monkeypatch.setattr(relaunch, "_compiled", {})
+    launches = []
+
+    class Kernel(_JitFunction):
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append((grid, args, options))
+
+    kernel, x = Kernel(), torch.empty(16)
+    for _ in range(2):
+        relaunch.launch(kernel, (3, 2), (x,), (5,), BLOCK=32)
+        relaunch.launch_fixed(relaunch.FixedLaunch(kernel, (5,), {"BLOCK": 32}), (3, 2, 1), (x,))
+    assert [(grid, args[0] is x, args[1:], options) for grid, args, options in launches] == [
+        ((3, 2), True, (5,), {"BLOCK": 32}), ((3, 2, 1), True, (5,), {"BLOCK": 32})] * 2
+    assert not relaunch._compiled
+
+
+class _FailingKernel(_JitFunction):
+    """Stands in for a JIT function that Triton cannot compile."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __getitem__(self, grid):
+        def fail(*args, **options):
+            raise self.error
+        return fail
+
+
+@pytest.mark.parametrize("fast", (True, False), ids=("fast-launch", "triton-launch"))
+def test_a_compile_failure_names_the_kernel_and_its_tile(monkeypatch, on_cpu_device, fast):
+    from triton.runtime.errors import PTXASError
+
+    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "FAST_LAUNCH", fast)
+    monkeypatch.setattr(relaunch, "_compiled", {})
+    kernel = _FailingKernel(PTXASError("PTXAS error: `ptxas` failed with error code -11\n" + "ptx text\n" * 1000))
+    with pytest.raises(relaunch.KernelCompileError) as raised:
+        relaunch.launch(kernel, (3, 2), (torch.empty(16),), (5,), BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                        num_stages=3, USE_TMA=True)
+    message = str(raised.value)
+    assert message.startswith("flashtile could not compile or launch fn (BLOCK_M=128, BLOCK_N=64, num_warps=8, "
+                              "num_stages=3, USE_TMA=True; grid (3, 2)) with Triton "), message
+    assert message.endswith("PTXAS error: `ptxas` failed with error code -11") and len(message) < 400, message
+    assert isinstance(raised.value.__cause__, PTXASError)
+    # errors that are not Triton's pass through as they are (a test's stand-in asserting, say)
+    with pytest.raises(AssertionError, match="not a compiler error"):
+        relaunch.launch(_FailingKernel(AssertionError("not a compiler error")), (1,), (), ())
 
 
 def test_a_fixed_launch_is_keyed_by_its_tensors_alignment(monkeypatch, on_cpu_device):
@@ -200,11 +264,8 @@ def test_a_relaunch_encodes_each_descriptor_once_per_address_and_layout(monkeypa
     launcher = _FakeLauncher()
     launcher.launch = wrapper
     compiled = _FakeCompiled(launcher)
-    monkeypatch.setattr(relaunch, "interpreting", lambda: False)
-    monkeypatch.setattr(relaunch, "_compiled", {})
+    _fake_relaunch_path(monkeypatch, lambda kernel, grid, args, options: compiled)
     monkeypatch.setattr(relaunch, "_stream_getter", lambda: lambda device: 77)
-    monkeypatch.setattr(relaunch, "_first_launch", lambda kernel, grid, args, options: compiled)
-    monkeypatch.setattr(relaunch.triton, "__version__", "3.6.0")
 
     class JitFunction:
         @staticmethod
@@ -272,6 +333,7 @@ class _RecordingKernel:
 @pytest.mark.skipif(not INTERPRETED, reason="switches the relaunch path on by hand under the CPU interpreter")
 def test_every_launch_site_relaunches_with_one_argument_per_kernel_parameter(monkeypatch, on_cpu_device):
     monkeypatch.setattr(relaunch, "interpreting", lambda: False)
+    monkeypatch.setattr(relaunch, "FAST_LAUNCH", True)
     monkeypatch.setattr(relaunch, "_compiled", {})
     interpret = relaunch._first_launch
 
@@ -304,7 +366,54 @@ def test_every_launch_site_relaunches_with_one_argument_per_kernel_parameter(mon
             assert len(args) == len(compiled.kernel.arg_names), compiled.kernel.fn.__name__
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: run with FLASHTILE_TEST_DEVICE=cuda")
+ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: run with FLASHTILE_TEST_DEVICE=cuda")
+TESTED_TRITON = pytest.mark.skipif(triton.__version__ not in relaunch.FAST_LAUNCH_VERSIONS,
+                                   reason=f"the fast launch is off on Triton {triton.__version__} (tested on "
+                                          f"{', '.join(relaunch.FAST_LAUNCH_VERSIONS)})")
+
+
+def _every_kernel_once():
+    """Outputs and gradients of calls that launch every kernel: the TMA forward with the one-launch backward
+    (d = 128), the two-launch TMA backward (d = 64), the pointer-load forward (an unaligned head dim), a packed
+    batch and a split KV-cache decode."""
+    results = []
+    for headdim, causal in ((128, True), (64, False), (72, True)):
+        q, k, v = random_qkv(2, 300, 333, 4, 2, headdim, headdim, torch.bfloat16, requires_grad=True)
+        out = flashtile.flash_attn_func(q, k, v, causal=causal)
+        results += [out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))]
+    q, k, v = (t[0] for t in random_qkv(1, 500, 500, 4, 4, 64, 64, torch.bfloat16, requires_grad=True))
+    cu = torch.tensor([0, 7, 300, 500], dtype=torch.int32, device=DEVICE)
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 293, 293, causal=True)
+    results += [out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))]
+    k_cache, v_cache = (torch.randn(2, 4096, 2, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    query = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    results += list(flashtile.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=3000,
+                                                       return_softmax_lse=True))
+    return results
+
+
+@ON_GPU
+@TESTED_TRITON
+def test_the_fast_launch_gives_the_bits_of_tritons_own_launch(monkeypatch):
+    """Every kernel launched twice through Triton (FAST_LAUNCH off, as on other Triton releases or with
+    FLASHTILE_FAST_LAUNCH=0) and twice with the fast launch (the second a relaunch): the same bits."""
+    runs = {}
+    for fast in (False, True):
+        monkeypatch.setattr(relaunch, "FAST_LAUNCH", fast)
+        monkeypatch.setattr(relaunch, "_compiled", {})
+        runs[fast] = []
+        for _ in range(2):
+            torch.manual_seed(0)  # the same inputs every time
+            runs[fast].append(_every_kernel_once())
+        assert bool(relaunch._compiled) == fast
+    reference = runs[False][0]
+    for fast, attempt in ((False, 1), (True, 0), (True, 1)):
+        for index, (a, b) in enumerate(zip(reference, runs[fast][attempt])):
+            assert torch.equal(a, b), f"result {index} differs (fast launch {fast}, run {attempt})"
+
+
+@ON_GPU
+@TESTED_TRITON
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_relaunched_kernels_give_the_first_calls_bits(causal, monkeypatch):
     monkeypatch.setattr(relaunch, "_compiled", {})
@@ -322,7 +431,7 @@ def test_relaunched_kernels_give_the_first_calls_bits(causal, monkeypatch):
     assert len(relaunch._compiled) == launches, "the second call made new keys"
     for name, a, b in zip(("out", "dq", "dk", "dv"), first, again):
         assert torch.equal(a, b), f"{name} differs after a relaunch"
-    if triton.__version__.startswith(relaunch.DIRECT_LAUNCHER_VERSIONS):  # the TMA kernels skip 3.6's wrapper
+    if relaunch.FAST_LAUNCH:  # the TMA kernels skip 3.6's wrapper
         launchers = {compiled.name: hookless.__name__ for compiled, _, hookless in relaunch._compiled.values()}
         assert launchers["attention_fwd_tma_kernel"] == "launch_encoded", launchers
     # copies at other addresses: every descriptor is encoded again for them (the maps follow addresses)

@@ -11,7 +11,8 @@ Public API:
 """
 
 from . import reference
-from ._dispatch import BackendUnavailableError, use_backend
+from ._dispatch import use_backend
+from .errors import BackendUnavailableError, KernelCompileError
 from .interface import (Explanation, explain, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                         scaled_dot_product_attention)
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailableError",
     "Explanation",
+    "KernelCompileError",
     "explain",
     "flash_attn_func",
     "flash_attn_varlen_func",

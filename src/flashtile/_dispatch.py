@@ -23,14 +23,11 @@ import torch
 from . import torch_impl
 from ._geometry import count_visited_tiles
 from ._validate import AttentionProblem
+from .errors import BackendUnavailableError
 from .triton import configs as triton_configs
 
 BACKEND_NAMES = ("torch", "triton")
 ENV_VAR = "FLASHTILE_BACKEND"
-
-
-class BackendUnavailableError(RuntimeError):
-    """The requested backend cannot serve this call (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +120,15 @@ def _triton_launch():
     return launch
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The tensors' GPU as the current CUDA device while their kernels launch: Triton launches on the current
+    device, and a model split across GPUs calls with tensors on another one. Nothing to do where it already is
+    (or for CPU tensors under the interpreter)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 class TritonBackend:
     """Fused Triton kernels: CUDA GPUs of compute capability 8.0 or newer; CPU tensors under TRITON_INTERPRET=1."""
 
@@ -206,18 +212,22 @@ class TritonBackend:
                 f"({masked} with an element mask)")
 
     def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None):
-        return _triton_launch().forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k)
+        with on_device(q.device):
+            return _triton_launch().forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q,
+                                            cu_seqlens_k)
 
     def describe_decode(self, call, tiles) -> str:
         return _triton_launch().decode_geometry(call.problem, call.page_size, call.num_splits).describe()
 
     def decode(self, call, tiles, num_splits):
-        return _triton_launch().decode(call, num_splits)
+        with on_device(call.q.device):
+            return _triton_launch().decode(call, num_splits)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
                  cu_seqlens_q=None, cu_seqlens_k=None):
-        return _triton_launch().backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
-                                         tiles, cu_seqlens_q, cu_seqlens_k)
+        with on_device(q.device):
+            return _triton_launch().backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask,
+                                             problem, tiles, cu_seqlens_q, cu_seqlens_k)
 
 
 @functools.lru_cache(maxsize=256)

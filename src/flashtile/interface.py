@@ -25,16 +25,20 @@ and for seqlen_q = 5, seqlen_k = 2, causal:
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from . import _dispatch, kvcache
 from ._validate import prepare_flash_attn, prepare_flash_attn_varlen, prepare_kvcache, prepare_sdpa
 from .autograd import attention
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False):
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Tensor | None = None, deterministic: bool = False, return_attn_probs: bool = False,
+                    *, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention in linear memory, with flash-attn's signature and layout.
 
     Args:
@@ -63,7 +67,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Raises:
         TypeError / ValueError naming the argument and the rule for any invalid input;
         NotImplementedError for dropout_p > 0 or return_attn_probs=True;
-        BackendUnavailableError when the requested backend (use_backend / FLASHTILE_BACKEND) cannot serve the call.
+        BackendUnavailableError when the requested backend (use_backend / FLASHTILE_BACKEND) cannot serve the call;
+        KernelCompileError, naming the kernel and its tile, when Triton cannot compile a kernel for the call.
     """
     call = prepare_flash_attn(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -72,9 +77,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return (out, lse) if return_lse else out
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, *, return_lse=False):
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, *,
+                           return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences, with flash-attn's signature (no padding).
 
     Args:
@@ -113,9 +122,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                            num_splits=0, return_softmax_lse=False, *, check_values=None):
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
+                            v: Tensor | None = None, cache_seqlens: int | Tensor | None = None,
+                            block_table: Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            alibi_slopes: Tensor | None = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False, *,
+                            check_values: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Decoding and chunked prefill against a KV cache, with flash-attn's signature (forward only).
 
     Args:
@@ -172,8 +185,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return (out, lse) if return_softmax_lse else out
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False):
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention`, computed by flashtile.
 
     Args:
@@ -204,7 +218,7 @@ class Explanation(str):
     """A readable account of what a call would run (a str; print it)."""
 
 
-def explain(q, k, v, *, api="flash_attn_func", **kwargs) -> Explanation:
+def explain(q: Tensor, k: Tensor, v: Tensor, *, api: str = "flash_attn_func", **kwargs: Any) -> Explanation:
     """Describe the backend, kernel and tiles a call with these arguments would run, and why.
 
     Takes the same arguments as `flash_attn_func` (or, with api="flash_attn_varlen_func",

@@ -12,12 +12,15 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 __all__ = ["attention_reference", "flash_attn_reference", "flash_attn_varlen_reference", "sdpa_reference"]
 
 
-def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), diagonal_offset=0, softcap=0.0,
-                        alibi_slopes=None, attn_mask=None, dtype=torch.float64):
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None = None,
+                        window_size: tuple[int, int] = (-1, -1), diagonal_offset: int = 0, softcap: float = 0.0,
+                        alibi_slopes: Tensor | None = None, attn_mask: Tensor | None = None,
+                        dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
     """Dense float64 attention in the (batch, nheads, seqlen, headdim) layout.
 
     q (B, H, Sq, D), k (B, Hk, Sk, D), v (B, Hk, Sk, Dv) with H % Hk == 0 (query head h uses K/V
@@ -78,8 +81,10 @@ def attention_reference(q, k, v, *, softmax_scale=None, window_size=(-1, -1), di
     return out, lse.squeeze(-1)
 
 
-def flash_attn_reference(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                         alibi_slopes=None, dtype=torch.float64):
+def flash_attn_reference(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None, causal: bool = False,
+                         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                         alibi_slopes: Tensor | None = None,
+                         dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
     """Oracle for `flashtile.flash_attn_func`: flash-attn layout, bottom-right alignment.
 
     q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]).
@@ -95,8 +100,11 @@ def flash_attn_reference(q, k, v, softmax_scale=None, causal=False, window_size=
     return out.transpose(1, 2), lse
 
 
-def flash_attn_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
-                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dtype=torch.float64):
+def flash_attn_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                softmax_scale: float | None = None, causal: bool = False,
+                                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                alibi_slopes: Tensor | None = None,
+                                dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
     """Oracle for `flashtile.flash_attn_varlen_func`: each packed sequence on its own, bottom-right aligned.
 
     q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]), cu_seqlens_* (nseq + 1,);
@@ -121,8 +129,9 @@ def flash_attn_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_sca
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
-def sdpa_reference(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                   dtype=torch.float64):
+def sdpa_reference(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                   dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
     """Oracle for `flashtile.scaled_dot_product_attention`: torch layout (..., heads, L, E), top-left causal.
 
     Returns (out (..., heads, L, Ev), lse (..., heads, L)) in `dtype`. (enable_gqa is implied by

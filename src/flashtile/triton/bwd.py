@@ -5,7 +5,7 @@ Two schedules of the same arithmetic. Two launches (backward schedules 0 and 2):
    memory: dQ += dS K. It holds its rows' dO already, so it also computes their delta = rowsum(dO * O)
    - dlse (d lse / d s = P, so a cotangent on lse enters the softmax Jacobian's row term) and stores it
    for the next kernel: one read of O instead of a preprocess launch that reads O and dO again (H200,
-   session 17, d = 64, 16 x 1k tokens, 32 heads: the dQ kernel 372 -> 392 us, the 36 us preprocess gone).
+   d = 64, 16 x 1k tokens, 32 heads: the dQ kernel 372 -> 392 us, the 36 us preprocess gone; docs/schedules.md).
 2. dK/dV: one program per (key block, batch * K/V head). It loads its K and V block once, then for
    each query head that shares the K/V head (grouped-query attention: the sum over the group
    happens in registers, no atomics, nothing repeated) streams the query blocks that can see the
@@ -23,11 +23,11 @@ With USE_TMA (backward schedules 2 and 3) the tiles a program streams (Q and dO 
 K and V in dQ) come from host-side tensor descriptors, (batch, heads, rows, dim) views whose box is one
 head's tile, instead of pointer tiles: the copy engine zero-fills rows past the sequence's end and
 columns past a padded head dim, and the loop keeps no per-element addresses or bounds in registers (on
-an H200, d = 128: +2% to +10% over pointer loads, 0% at 16k causal; BENCHMARKS.md, session 8). The
+an H200, d = 128: +2% to +10% over pointer loads, 0% at 16k causal; docs/schedules.md). The
 arithmetic is the same. In a packed batch a descriptor over the packed tensor reads the next sequence's
 rows where a sequence ends, so there only the interior blocks come by TMA and the edge blocks by masked
-pointer loads (zeroing the neighbour's rows instead measured 4.5-11% slower than pointer loads, session 8;
-the interior by TMA 2-4% faster, session 15).
+pointer loads: TMA everywhere with the neighbour's rows zeroed in the kernel made ptxas spill more and ran
+4.5-11% slower than pointer loads, the interior by TMA runs 2-4% faster (docs/varlen.md).
 
 Packed variable-length batches (VARLEN) work as in fwd.py: batch entry b is sequence b of the
 packed tensors, and each program loops over its sequence's real blocks. The preprocess kernel needs
@@ -35,7 +35,7 @@ no sequence boundaries (rows are independent): it sees the packed batch as one l
 
 Packed batches keep the band mask per element (scores(PER_ROW_BAND=not VARLEN)): folded per query row it tripled
 the packed dK/dV kernel's spills (d = 128, 64 x 128: 536 -> 1,652 bytes per thread; triton 3.6, sm_90) and slowed
-it 32% on an H200 (BENCHMARKS.md, session 15); dense batches keep the fold.
+it 32% on an H200 (docs/compiler-workarounds.md); dense batches keep the fold.
 
 Both loops skip blocks outside the causal / window band and use the element mask only on blocks
 that straddle an edge (common.query_block_bounds / key_block_bounds). Softcap multiplies dS by the
@@ -45,18 +45,17 @@ derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are const
 import triton
 import triton.language as tl
 
-from .common import (alibi_slope, descriptor_origin, exp2_of_scores, key_block_bounds, load_tile, program_heads,
-                     query_block_bounds, scores, sequence_bounds)
+from .common import (alibi_slope, descriptor_origin, exp2_of_scores, key_block_bounds, load_tile,
+                     program_coordinates, program_heads, query_block_bounds, scores, sequence_bounds)
 
 
 @triton.jit
 def attention_bwd_preprocess_kernel(Out, dOut, dLse, Delta,
                                     stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
-                                    nheads, seqlen_q,
+                                    nheads, seqlen_q, row_programs,
                                     HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
                                     HAS_DLSE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = program_coordinates(row_programs)
     b, h, _ = program_heads(pid_bh, nheads, 1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -262,7 +261,7 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h,
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    nheads, nheads_k, group_size, seqlen_q, seqlen_k,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_k, key_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -270,8 +269,9 @@ def attention_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
     SCALE_IN_EXP2: tl.constexpr,
 ):
-    b, hk, _ = program_heads(tl.program_id(1), nheads_k, 1)
-    _dkdv_program(tl.program_id(0), tl.num_programs(0), b, hk, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV,
+    pid_n, pid_bhk = program_coordinates(key_programs)
+    b, hk, _ = program_heads(pid_bhk, nheads_k, 1)
+    _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV,
                   Slopes, Mask,
                   CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb,
                   stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
@@ -444,7 +444,7 @@ def attention_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h,
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    nheads, group_size, seqlen_q, seqlen_k,
+    nheads, group_size, seqlen_q, seqlen_k, query_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -454,8 +454,9 @@ def attention_bwd_dq_kernel(
 ):
     """The two-launch schedules' first kernel: dQ, and each query row's delta = rowsum(dO * O) - dLse (HAS_DLSE),
     stored in Delta for the dK/dV kernel launched after it."""
-    b, h, hk = program_heads(tl.program_id(1), nheads, group_size)
-    _dq_program(tl.program_id(0), tl.num_programs(0), b, h, hk, Q, K, V, dOut, Out, k_desc, v_desc, Lse, Delta, dLse,
+    pid_m, pid_bh = program_coordinates(query_programs)
+    b, h, hk = program_heads(pid_bh, nheads, group_size)
+    _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Out, k_desc, v_desc, Lse, Delta, dLse,
                 dQ, Slopes, Mask,
                 CuSeqlensQ, CuSeqlensK, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb,
                 stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_ob, stride_om, stride_oh, stride_dqb,
@@ -487,15 +488,15 @@ def attention_bwd_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
     SCALE_IN_EXP2: tl.constexpr,
 ):
-    """Backward schedule 1: the dK/dV and the dQ programs in one launch, grid (key_programs * nheads_k +
-    query_programs * nheads, batch). The first key_programs * nheads_k programs of axis 0 do what
-    attention_bwd_dkdv_kernel's do, the rest what attention_bwd_dq_kernel's do (same tiles, same
-    arithmetic, each output written by one program: as deterministic as the two launches), so the
-    two kinds of program can share the GPU instead of the dQ launch waiting for the dK/dV launch's
-    last wave."""
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    """Backward schedule 1: the dK/dV and the dQ programs in one launch, (key_programs * nheads_k +
+    query_programs * nheads) programs per batch entry (program_coordinates). Of a batch entry's programs the
+    first key_programs * nheads_k do what attention_bwd_dkdv_kernel's do, the rest what attention_bwd_dq_kernel's
+    do (same tiles, same arithmetic, each output written by one program: as deterministic as the two launches),
+    so the two kinds of program can share the GPU instead of the dQ launch waiting for the dK/dV launch's last
+    wave."""
     dkdv_programs = key_programs * nheads_k
+    pid, b = program_coordinates(dkdv_programs + query_programs * nheads)
+    b = b.to(tl.int64)
     if pid < dkdv_programs:
         hk = (pid // key_programs).to(tl.int64)
         _dkdv_program(pid % key_programs, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV,

@@ -28,6 +28,16 @@ def tanh(x):
 
 
 @triton.jit
+def program_coordinates(inner_programs):
+    """(inner index, outer index) of this program in a grid of inner_programs x outer programs laid out along
+    CUDA's grid axis 0, the inner index fastest: axis 0 holds 2**31 - 1 programs, axes 1 and 2 only 65,535, which
+    batch * nheads passes (4,096 sequences of 32 heads). Programs are dispatched in the order of a two-dimensional
+    (inner, outer) grid: consecutive programs share an outer index (a head's K and V stay in L2)."""
+    pid = tl.program_id(0)
+    return pid % inner_programs, pid // inner_programs
+
+
+@triton.jit
 def program_heads(pid_bh, nheads, group_size):
     """(batch, head, K/V head) of a program over batch * nheads, as int64 so offsets cannot overflow.
 
@@ -160,11 +170,11 @@ def band_mask(s, q_idx, k_idx, seqlen_q, seqlen_k, diagonal_offset, window_left,
     PER_ROW_BAND folds the bounds per query position first (its last visible key; -1 past the queries' end), so that
     each element of the tile pays one comparison per band edge: written as three conditions and-ed per element,
     triton 3.6 gave each its own select (three per element on a causal diagonal tile of the forward, one with the
-    fold; with the scale inside the exponent, the d = 128 1k causal forward ran 5% faster on an H200, BENCHMARKS.md
-    session 14). Two kernels keep the per-element form, where the fold changed ptxas's register allocation for the
-    worse: the decode kernel (197 -> 168 registers at 128-key page tiles, a third program per SM and a 1.3-wave
-    tail at batch 64 x 8 K/V heads, 18% slower) and the packed-batch backward (bwd.py; its dK/dV kernel spilled
-    536 -> 1,652 bytes per thread and ran 32% slower, session 15).
+    fold; with the scale inside the exponent, the d = 128 1k causal forward ran 5% faster on an H200;
+    docs/schedules.md). Two kernels keep the per-element form, where the fold changed ptxas's register allocation
+    for the worse: the decode kernel (197 -> 168 registers at 128-key page tiles, a third program per SM and a
+    1.3-wave tail at batch 64 x 8 K/V heads, 18% slower) and the packed-batch backward (bwd.py; its dK/dV kernel
+    spilled 536 -> 1,652 bytes per thread and ran 32% slower); docs/compiler-workarounds.md.
     """
     if PER_ROW_BAND:
         last_key = tl.where(q_idx < seqlen_q, seqlen_k - 1, -1)

@@ -1,8 +1,9 @@
 """Tile shapes, warps and pipeline stages of the Triton kernels, per head dim, dtype and GPU.
 
-The table is small on purpose: every entry was chosen by timing on the GPU named in BENCHMARKS.md.
-Under the CPU interpreter (TRITON_INTERPRET=1) the tiles are 16 x 16, the smallest that tl.dot
-accepts, so CI exercises many blocks, ragged edges and masks quickly.
+`default_tiles` is the table. Each of its rules says what it chooses, why, and which result file measured it
+(paths relative to benchmarks/results/; raw/ holds the logs); docs/tuning.md has the full reasoning and the
+variants that lost. Under the CPU interpreter (TRITON_INTERPRET=1) the tiles are 16 x 16, the smallest that
+tl.dot accepts, so CI exercises many blocks, ragged edges and masks quickly.
 """
 
 from __future__ import annotations
@@ -89,13 +90,12 @@ BACKWARD_SCHEDULES = {
     0: "attention_bwd_dq_kernel (which also computes each row's delta), then attention_bwd_dkdv_kernel",
     1: "attention_bwd_preprocess_kernel, then attention_bwd_kernel, the dK/dV and dQ programs in one launch",
     2: ("attention_bwd_dq_kernel (which also computes each row's delta), then attention_bwd_dkdv_kernel, streamed "
-        "tiles loaded through host-side TMA "
-        "descriptors when strides are 16-byte aligned and there is no attn_mask (packed batches: the interior "
-        "blocks; their edge blocks by pointer loads)"),
+        "tiles loaded through host-side TMA descriptors when strides are 16-byte aligned, there is more than one key "
+        "and there is no attn_mask (packed batches: the interior blocks; their edge blocks by pointer loads)"),
     3: ("attention_bwd_preprocess_kernel, then attention_bwd_kernel, the dK/dV and dQ programs in one launch, "
-        "streamed tiles loaded through host-side "
-        "TMA descriptors when strides are 16-byte aligned and there is no attn_mask (packed batches: the interior "
-        "blocks; their edge blocks by pointer loads)"),
+        "streamed tiles loaded through host-side TMA descriptors when strides are 16-byte aligned, there is more "
+        "than one key and there is no attn_mask (packed batches: the interior blocks; their edge blocks by pointer "
+        "loads)"),
 }
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
@@ -105,11 +105,11 @@ FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_s
 ZERO_MEANS_DEFAULT = DQ_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
 FLAG_KEYS = ("forward_separate_ragged_end",)  # tile settings that are 0 or 1
 
-# Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and
-# dQ grids, keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch a full
-# column of programs for every short sequence that exit at once. H200, d = 128, 64 log-uniform lengths up to
-# 8,076 (session 6, BENCHMARKS.md): covering 2,048 rows instead of 8,076, fwd+bwd +1.2% non-causal, +2.0%
-# causal; 4,096 -0.6% / +1.2%; 1,024 -2.8% / -1.7% (long sequences' programs then loop 8 times, in the tail).
+# Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and dQ grids,
+# keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch, for every short sequence,
+# a column of programs that exit at once. 64 log-uniform lengths up to 8,076 (d = 128), fwd+bwd against the dense
+# rate: 0.898x / 0.917x (non-causal / causal) covering 2,048 rows, 0.887x / 0.899x covering all, 0.862x / 0.884x
+# covering 1,024 (raw/2026-11-29-h200-s6-varlen-grid-hints.txt).
 VARLEN_GRID_ROWS = 2048
 
 
@@ -136,150 +136,121 @@ def record_kernel_mode(kernel) -> None:
 
 
 def _separate_ragged_end(problem: AttentionProblem) -> int:
-    """1 where the TMA forward should give the keys' ragged end its own loop: problems of 4k keys and more without
-    a band (H200, session 13: with the end inside the interior loop, d = 64 non-causal lost 3.3% at 4k and 1.2% at
-    16k, d = 128 1-2% at 16k, while d = 128 1k gained 3%; banded problems keep their right edge inside the loop,
-    +5% at 1k causal, session 12)."""
+    """1 where the TMA forward gives the keys' ragged end a loop of its own: 4k keys and more, without a band.
+
+    Below 4k keys the end shares the interior loop, masked there by a runtime branch: one pipelined loop per
+    program instead of two saves a drain and refill. From 4k keys the shared loop measured slower (d = 64
+    non-causal 4k: 389.2 against 402.5 TFLOP/s, raw/2026-11-30-h200-s13-call3-ragged-end-ab-bwd-suite.txt).
+    Banded problems keep their right edge inside the interior loop at every length (d = 128 1k causal: 304.3
+    against 289.6 TFLOP/s with two loops, raw/2026-11-30-h200-s12-call8-causal-forward-ab.txt).
+    """
     return int(not problem.is_banded and problem.seqlen_k >= 4096)
 
 
 def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
-    """The table. capability is the CUDA compute capability, or None under the interpreter.
+    """The table: the launch settings for `problem` on a GPU of compute capability `capability` (None: the CPU
+    interpreter).
 
-    Measured on the H200 (BENCHMARKS.md, 2026-11-29 sweeps, bf16, d = 64 and 128, N = 1k..16k):
-    - Hopper forward for fp16/bf16: TMA loads (schedule 1) at every length. Until session 7 the kernel
-      built its descriptors itself and lost 4-15% to the pointer kernel at 1k keys; with host-side
-      descriptors it gained 11-62% there and beats the pointer kernel (d = 128 +9% / +11%, d = 64 +4% /
-      +6%, non-causal / causal, same run). Packed batches too since session 8 (forward 0.93x / 0.91-0.95x
-      the dense rate against the pointer kernel's 0.85x / 0.89x, non-causal / causal). 8 warps, 128 query
-      rows; d = 128 without a sliding window or mask takes 128-key blocks (403 / 487 TFLOP/s at 1k / 4k
-      against 390 / 472 with 64; causal +1.6% / +3.4% / +4% at 1k / 4k / 16k), sliding windows 64-key
-      blocks; d = 64 takes 64-key blocks (8 warps 368 against 4 warps 355 at 1k, but banded problems
-      below 4k keys keep 4 warps: 264-266 against 254 at 1k causal).
-    - Short forwards (session 13): at one program per SM each program's pipeline fill and drain is exposed.
-      d = 128 without a band below 4k keys takes 128 x 64 tiles, 2 stages, at most 128 registers (two
-      programs per SM): 1k non-causal 440 TFLOP/s, 1.34x FA2 (the 128-key tile 406-418); d = 64 banded below
-      4k keys 64 query rows, 4 warps (three per SM): 1k causal 296, 1.38x FA2 (128 rows 266-273).
-    - The warp-specialized loop (schedule 2, 128 x 128, 4 warps, 2 stages) is the fastest forward
-      measured at d = 128 without a band (450 / 521 / 531 TFLOP/s at 1k / 4k / 16k in session 7), but it
-      stays opt-in and warns: under triton 3.6, rerun beside other GPU processes, one of 6 x 10^5 runs
-      returned a different out (session 5); with session 6's fix of its 128-row tiles' query positions
-      (fwd_tma.py) 11 of 530,172 returned NaN, clustered in time across processes; with host-side K/V
-      descriptors and a pointer store of out (session 7) still 3 of 382,482 (an unexplained race; the
-      in-kernel descriptors of K, V and out were not its cause).
-    - Hopper backward for fp16/bf16, d = 128: 64 query rows against 128 keys, 8 warps, 3 stages, the
-      dK/dV and dQ programs in one launch: +4% to +10% fwd+bwd over 32 x 64 with 4 warps in two
-      launches at 1k non-causal, 4k and 16k; at 1k causal +2% or +24% against the old tile's two runs
-      (host noise); 2 stages had been within 3% of the old tile. The streamed tiles come by TMA through
-      host-side descriptors (schedule 3) at every length (session 8: +2% to +10% against pointer loads
-      except 16k causal, 0%); 32 x 128 lost 9-11%; the dK/dV
-      and dQ program bodies as separate (noinline) functions lost 8-11% (ptxas serialises wgmma
-      across a call). d = 64: the 32 x 128 tile in one launch (the table's until session 10), +1% to +4%
-      below 16k keys, -2% to +0% at 16k (two launches kept there); 64 x 128 with 8 warps lost 11-14%; TMA loads -9% to +2%;
-      tiles that ptxas compiles without spills lost too (session 9, fwd+bwd: 64 x 64 and 128 x 64 with 8
-      warps about half the table's rate, 64 x 64 / 4 warps -1..-8%, 32 x 128 / 8 warps -16..-19%). What did
-      pay was the dQ kernel's own tile (session 10): its default, the 32 x 128 tile transposed (128 query
-      rows against 32 keys, 4 warps), spills; 128 x 64 with 8 warps does not, and with TMA loads in two
-      launches it took dense d = 64 problems +4% to +10% past the previous table except 1k causal (below).
-      Packed d = 64 batches (session 16) take the same two launches, their dQ kernel capped at 128 registers.
-    - Short causal problems at d = 128 (session 17): two programs per SM in every kernel, a 64 x 64 / 4-warp
-      forward and a two-launch backward with 4-warp 32 x 64 dK/dV tiles and a dQ kernel capped at 128
-      registers (1k causal forward +14%, fwd+bwd +2..+5% in two of three runs; -3..-7% from 4k keys).
-    - Short causal problems at d = 64 (session 18): two launches, 32 x 64 dK/dV tiles and the 128 x 64 dQ tile
-      (fwd+bwd +5.5% / +6.5% at 1k / 2k causal against the one launch).
-    - other GPUs and dtypes: 32 query rows per step against 64 (d = 128) or 128 (d = 64) keys, two
-      launches (the first sweeps: best or within 5% of the best of six dK/dV and six dQ tilings).
+    One rule per statement below, each with the file that measured it (bf16 on an H200 under triton 3.6; shapes of
+    the benchmark convention, 16k tokens per batch at model width 2048, unless it says otherwise):
+    - Hopper (sm_90) with fp16 / bf16, head dims up to 128: the TMA forward (schedule 1) at every length, dense or
+      packed, and per head dim the backward schedule, tiles and register caps below. Most rules fit two or three
+      programs on an SM where one would leave its pipeline fill and drain exposed.
+    - Other GPUs and dtypes: the pointer kernels at generic tiles, the backward in two launches (on the H200 none
+      of six dK/dV and six dQ tilings was more than 5% faster: raw/2026-11-29-h200-profile-backward.txt); not tuned
+      per GPU.
+    - Never chosen: the warp-specialized forward (schedule 2), the fastest measured at d = 128 without a band (450 /
+      521 / 531 TFLOP/s at 1k / 4k / 16k keys, raw/2026-11-29-h200-s7-host-descriptor-forward-ab.txt), because 3
+      of 382,482 reruns beside other GPU work returned NaN (raw/2026-11-29-h200-s7-stress-host-descriptors.txt);
+      it is opt-in and warns.
     """
     if capability is None:
-        return TritonTiles(16, 16, 1, 1, 16, 16, 1, 1)
+        return TritonTiles(block_m=16, block_n=16, num_warps=1, num_stages=1,
+                           bwd_block_m=16, bwd_block_n=16, bwd_num_warps=1, bwd_num_stages=1)
     width = max(problem.headdim, problem.headdim_v)
-    hopper_16bit = capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
-    # packed sequences too (session 8: TMA for packed batches, value rows past a sequence's end zeroed)
-    hopper_forward = hopper_16bit
-    forward_schedule = 1 if hopper_forward else 0
+    hopper = capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
+    # the TMA forward, host-side descriptors: at 1k keys +9% / +11% (d = 128) and +4% / +6% (d = 64) over the pointer
+    # kernel, non-causal / causal (raw/2026-11-29-h200-s7-host-descriptor-forward-ab.txt); packed batches at 0.93x /
+    # 0.95x the dense rate (raw/2026-11-29-h200-s8-call7.txt), by pointer loads 0.88x / 0.89x
+    # (raw/2026-11-29-h200-s8-call4.txt)
+    forward_schedule = 1 if hopper else 0
+    ragged_end = _separate_ragged_end(problem)
     if width <= 64:
-        # the TMA forward with 8 warps (session 7, 1k keys: 368 TFLOP/s against 355 with 4 warps, non-causal),
-        # but 4 warps for banded problems below 4k keys (1k causal: 264-266 in three runs against 254 with 8)
-        banded_short = problem.is_banded and problem.seqlen_k < 4096
-        # dense causal problems below 4k keys (a band on the right only, no mask)
-        causal_short_dense = (hopper_16bit and banded_short and problem.window_left < 0 and not problem.varlen
-                              and problem.mask_kind is None)
-        warps = 8 if hopper_forward and not banded_short else 4
-        bwd_block_n = 128
-        if causal_short_dense:
-            # two launches with the dQ kernel's 128 x 64 / 8-warp tile, as below, and 32 x 64 dK/dV tiles (session
-            # 18, medians of 11 rotated rounds against the one launch of 32 x 128 tiles: 1k causal 258.3 against
-            # 244.8 TFLOP/s, 1.386x FA2 against 1.313x, kernels 922 us against 983; 2k causal 306.1 against 287.5,
-            # kernels 1,561 against 1,671; the 32 x 128 dK/dV tile in the same two launches 256.1 / 300.9)
-            backward = dict(backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
-            bwd_block_n = 64
-        elif hopper_16bit and not banded_short:
-            # two launches, TMA loads (packed batches: in their interior blocks), the dQ kernel with its own
-            # 128 x 64 / 8-warp tile (session 10, dense fwd+bwd in one run against the previous table: +5..+7% /
-            # +5% / +5% at 1k / 4k / 16k non-causal, +5..+10% / +4% at 4k / 16k causal; at 1k causal the one launch
-            # stayed ahead, 239 / 225 against 205; session 16, 64 packed log-uniform lengths up to 8k, 32 heads:
-            # 30.69 / 16.78 ms against 30.72 / 17.37 in one launch, non-causal / causal). Packed batches cap that dQ
-            # kernel at 128 registers, so that two programs share an SM as in a dense batch (triton 3.6, sm_90:
-            # 207 / 176 registers packed non-causal / causal, 126 / 128 dense; capped, 276 / 40 bytes of spills;
-            # session 16: the packed dQ kernel 7.29 / 4.34 ms against 10.15 / 5.57 uncapped, dense 6.94 / 3.83)
-            backward = dict(backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8,
+        short_band = problem.is_banded and problem.seqlen_k < 4096
+        # forward 128 x 64 tiles, 3 stages; 8 warps on Hopper: 368.2 against 355.0 TFLOP/s with 4 at 1k non-causal
+        # (raw/2026-11-29-h200-s7-forward-tiles.txt); banded problems below 4k keys 4 warps: 1k causal 264 against
+        # 254 with 8 (raw/2026-11-29-h200-s7-grid-fwd-before-tiles.txt, raw/2026-11-29-h200-s7-grid-fwd-final.txt)
+        warps = 8 if hopper and not short_band else 4
+        # banded below 4k keys, dense: 64 query rows (106 registers, 57 KB of shared memory), three programs per SM:
+        # 1k causal 287.9 / 286.4 TFLOP/s against 271.8 / 272.9 with 128 (raw/2026-11-30-h200-s13-call1-forward-ab.txt)
+        block_m = 64 if hopper and short_band and not problem.varlen else 128
+        # packed batches with 8 warps: at most 128 registers (146 uncapped, 107 in a dense batch), so that two programs
+        # share an SM as in a dense batch: non-causal 7.29 ms against 10.18
+        # (raw/2026-11-30-h200-s16-call1-batch1-packed-d64.txt)
+        cap = 128 if hopper and problem.varlen and warps == 8 else 0
+        if hopper and short_band and problem.window_left < 0 and not problem.varlen and problem.mask_kind is None:
+            # dense causal below 4k keys (a band on the right only): two launches (the dQ kernel, which computes
+            # delta, then dK/dV), 32 x 64 dK/dV tiles, the dQ kernel's 128 x 64 / 8-warp tile: fwd+bwd 258.3 / 306.1
+            # TFLOP/s at 1k / 2k against 244.8 / 287.5 in one launch (raw/2026-11-30-h200-s18-call3-ab-d64-causal.txt)
+            backward = dict(bwd_block_n=64, backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8)
+        elif hopper and not short_band:
+            # two launches, TMA loads, the dQ kernel on a 128 x 64 / 8-warp tile of its own (the dK/dV tile
+            # transposed spills): fwd+bwd +4..+10% over one launch at 1k-16k but 1k causal
+            # (raw/2026-11-30-h200-s10-call2-dq-baseline.txt). Packed batches too (30.69 / 16.78 ms against 30.72 /
+            # 17.37 in one launch, raw/2026-11-30-h200-s16-call2-decode-stages-packed-d64.txt), their dQ kernel capped
+            # at 128 registers for two programs per SM: 7.29 / 4.34 ms against 10.15 / 5.57
+            # (raw/2026-11-30-h200-s16-call7-8-dq-register-cap.txt)
+            backward = dict(bwd_block_n=128, backward_schedule=2, dq_block_m=128, dq_block_n=64, dq_num_warps=8,
                             dq_max_registers=128 if problem.varlen else 0)
         else:
-            backward = dict(backward_schedule=int(hopper_16bit and problem.seqlen_k < 16384))
-        # banded problems below 4k keys on Hopper: 64 query rows (106 registers, 57 KB of shared memory, so three
-        # programs share an SM and hide each other's pipeline fill and drain; session 13, 1k causal: 288 / 286
-        # TFLOP/s against 272 / 273 with 128 rows; 4k: 332 / 348 against 359 / 357)
-        block_m = 64 if hopper_forward and banded_short and not problem.varlen else 128
-        # packed batches with 8 warps: at most 128 registers, so that two programs share an SM as in a dense batch
-        # (triton 3.6, sm_90, 128 x 64 non-causal: 146 registers packed, 107 dense; 127 with the cap, no spills;
-        # session 15 measured the packed non-causal forward at 10.61 ms against the dense 7.10, causal (122
-        # registers) 3.87 against 3.84; session 16 with the cap: 7.30 / 3.83 ms against the dense 6.90 / 3.56;
-        # the packed dQ kernel likewise, above)
-        cap = 128 if hopper_forward and problem.varlen and warps == 8 else 0
-        return TritonTiles(block_m, 64, warps, 3, 32, bwd_block_n, 4, 3, forward_schedule=forward_schedule,
-                           forward_separate_ragged_end=_separate_ragged_end(problem), forward_max_registers=cap,
-                           **backward)
+            # other banded problems below 4k keys (a left window edge, packed, masked): one launch, which beat two at
+            # 1k causal, 239.2 / 224.6 against 205.1 TFLOP/s (raw/2026-11-30-h200-s10-call2-dq-baseline.txt); other
+            # GPUs and dtypes: two launches
+            backward = dict(bwd_block_n=128, backward_schedule=int(hopper))
+        return TritonTiles(block_m=block_m, block_n=64, num_warps=warps, num_stages=3,
+                           forward_schedule=forward_schedule, forward_max_registers=cap,
+                           forward_separate_ragged_end=ragged_end,
+                           bwd_block_m=32, bwd_num_warps=4, bwd_num_stages=3, **backward)
     if width <= 128:
-        if hopper_16bit:
-            # packed sequences: two launches (session 5: 0.97x / 0.90x the dense rate against one launch's
-            # 0.95x / 0.87x, non-causal / causal; with equal lengths, causal 0.91x against 0.81x; in the SASS
-            # the packed causal one-launch kernel's dK/dV loop spills 2.5x more than the dense one's: a lead).
-            # Dense batches take TMA loads at every length (host-side descriptors, session 8, backward against
-            # the pointer loads in the same run: +6% / +2% at 1k non-causal / causal, +8% / +7% at 4k, +10% / 0%
-            # at 16k); packed batches take them in their interior blocks (session 15, fwd+bwd of 64 log-uniform
-            # lengths up to 8k: 0.91x / 0.92x the dense rate against 0.87x / 0.89x with pointer loads and 0.91x /
-            # 0.85x in one launch)
-            backward_schedule = 2 if problem.varlen else 3
-            # the TMA forward: 128-key blocks (session 7, non-causal: 403 / 487 TFLOP/s at 1k / 4k against 390 /
-            # 472 with 64-key blocks; session 8, causal: 288 / 429 against 286 / 416); sliding windows (a left
-            # edge: two edges to mask, not measured with 128) keep 64, and so do masked problems (an attn_mask
-            # keeps to the pointer kernel, measured with 64)
-            wide_keys = hopper_forward and problem.window_left < 0 and problem.mask_kind is None
-            short_dense = wide_keys and not problem.varlen and problem.seqlen_k < 4096
-            if short_dense and not problem.is_banded:
-                # short problems without a band: 64-key blocks, 2 stages, at most 128 registers (no spills, 98 KB
-                # of shared memory), so that two programs share an SM and one's pipeline fill and drain overlap
-                # the other's matmuls (session 13, 1k: 430 / 432 TFLOP/s against 418 / 415 with the 128-key
-                # tile, one program per SM; 4k: 455 / 481 against 483 / 471; causal 1k lost, 272 / 291 against
-                # 287 / 310)
-                return TritonTiles(128, 64, 8, 2, 64, 128, 8, 3, forward_schedule=forward_schedule,
-                                   backward_schedule=backward_schedule, forward_max_registers=128)
-            if short_dense:
-                # short causal problems, two programs per SM in every kernel, so that one's pipeline fill and drain
-                # run under the other's matmuls (session 17, d = 128 1k causal, medians of rotated rounds):
-                # - forward: 64 query rows against 64 keys, 4 warps, 3 stages (112 KB of shared memory): 366 / 368
-                #   TFLOP/s against 320 / 322 with the 128 x 128 tile, kernels 188-190 us against 216; at 4k causal
-                #   +1.4%, at 16k -4.6%; against this tile 64 x 64 with 4 stages lost 32% and 64 x 32 18%;
-                # - backward: two launches; dK/dV 32 query rows against 64 keys, 4 warps, 3 stages (255 registers,
-                #   83 KB); dQ 128 rows against 32 keys, 8 warps, at most 128 registers (115 KB): fwd+bwd 290 / 282
-                #   TFLOP/s in two of three runs (1.36x / 1.31x FA2; the third 258, its rounds 212-291) against 277 /
-                #   276 with the one-launch 64 x 128 backward; kernels 826-836 us against 873-884; at 4k causal -3%
-                return TritonTiles(64, 64, 4, 3, 32, 64, 4, 3, forward_schedule=forward_schedule,
-                                   backward_schedule=2, dq_block_m=128, dq_block_n=32, dq_num_warps=8,
-                                   dq_max_registers=128)
-            block_n = 128 if wide_keys else 64
-            return TritonTiles(128, block_n, 8, 3, 64, 128, 8, 3, forward_schedule=forward_schedule,
-                               backward_schedule=backward_schedule,
-                               forward_separate_ragged_end=_separate_ragged_end(problem))
-        return TritonTiles(128, 64, 8, 3, 32, 64, 4, 3, forward_schedule=forward_schedule)
-    return TritonTiles(64, 32, 4, 2, 32, 64, 4, 1)
+        if not hopper:
+            return TritonTiles(block_m=128, block_n=64, num_warps=8, num_stages=3,
+                               bwd_block_m=32, bwd_block_n=64, bwd_num_warps=4, bwd_num_stages=3)
+        # dense problems below 4k keys without a left window edge or an attn_mask: tiles that fit two programs on an
+        # SM (the 128 x 128 tile below fits one)
+        short = (problem.seqlen_k < 4096 and not problem.varlen and problem.window_left < 0
+                 and problem.mask_kind is None)
+        if short and not problem.is_banded:
+            # no band: forward 128 x 64 tiles, 2 stages, at most 128 registers (no spills, 98 KB): 1k 429.8 / 432.0
+            # TFLOP/s against 417.6 / 415.4 with 128 x 128 (raw/2026-11-30-h200-s13-call1-forward-ab.txt); backward
+            # as for long problems
+            return TritonTiles(block_m=128, block_n=64, num_warps=8, num_stages=2, forward_schedule=1,
+                               forward_max_registers=128,
+                               bwd_block_m=64, bwd_block_n=128, bwd_num_warps=8, bwd_num_stages=3, backward_schedule=3)
+        if short:
+            # causal (a band on the right only): forward 64 x 64, 4 warps, 3 stages (112 KB): 1k causal 366.4 / 367.5
+            # TFLOP/s against 319.9 / 322.1 with 128 x 128 (raw/2026-11-30-h200-s17-call1-ab_fwd.json,
+            # raw/2026-11-30-h200-s17-call2-ab_fwd.json); backward in two launches, dK/dV 32 x 64 / 4 warps, dQ
+            # 128 x 32 / 8 warps at most 128 registers: fwd+bwd 290.4 / 282.0 against 277.3 / 276.0 in one launch, in
+            # two runs of three (raw/2026-11-30-h200-s17-call4-ab_bwd4.json, raw/2026-11-30-h200-s17-call2-ab_bwd.json;
+            # the third 258.1 against 276.9, raw/2026-11-30-h200-s17-call3-ab_bwd3.json)
+            return TritonTiles(block_m=64, block_n=64, num_warps=4, num_stages=3, forward_schedule=1,
+                               bwd_block_m=32, bwd_block_n=64, bwd_num_warps=4, bwd_num_stages=3, backward_schedule=2,
+                               dq_block_m=128, dq_block_n=32, dq_num_warps=8, dq_max_registers=128)
+        # forward 128 x 128 tiles: 402.7 against 389.8 TFLOP/s with 64-key blocks at 1k non-causal, 486.9 against
+        # 469.8 / 474.9 at 4k (raw/2026-11-29-h200-s7-forward-tiles.txt); causal +1.6% / +3.4% / +4% at 1k / 4k / 16k
+        # (raw/2026-11-29-h200-s8-call3.txt). A left window edge (two edges to mask) or an attn_mask (the pointer
+        # kernel) keeps 64-key blocks, not measured with 128
+        block_n = 128 if problem.window_left < 0 and problem.mask_kind is None else 64
+        # backward 64 x 128, 8 warps, 3 stages, the streamed tiles by TMA. Dense batches in one launch: fwd+bwd
+        # +4..+10% over 32 x 64 / 4 warps in two at 1k non-causal, 4k and 16k
+        # (raw/2026-11-29-h200-tune-backward-one-launch.txt); TMA +2..+10% over pointer loads but 16k causal, 0%
+        # (raw/2026-11-29-h200-s8-call1.txt). Packed batches in two launches, TMA in
+        # their interior blocks: 0.91x / 0.92x the dense rate, one launch 0.91x / 0.85x
+        # (raw/2026-11-30-h200-s15-call4-packed-tma-backward.txt)
+        return TritonTiles(block_m=128, block_n=block_n, num_warps=8, num_stages=3, forward_schedule=1,
+                           forward_separate_ragged_end=ragged_end,
+                           bwd_block_m=64, bwd_block_n=128, bwd_num_warps=8, bwd_num_stages=3,
+                           backward_schedule=2 if problem.varlen else 3)
+    # wider heads (up to 256): small tiles, pointer loads, two launches; not tuned by measurement
+    return TritonTiles(block_m=64, block_n=32, num_warps=4, num_stages=2,
+                       bwd_block_m=32, bwd_block_n=64, bwd_num_warps=4, bwd_num_stages=1)

@@ -1,6 +1,7 @@
 """Attention over a KV cache in Triton: split-KV (Flash-Decoding) programs and the merge of their results.
 
-attention_decode_kernel: one program per (split, batch * K/V head, block of rows). Its tile's rows
+attention_decode_kernel: one program per (split, block of rows, batch * K/V head), all along grid axis 0
+(common.program_coordinates), the splits of a tile next to each other. Its tile's rows
 are the (query head of the group, query token) pairs that share the K/V head — group_size * seqlen_q
 rows, BLOCK_M per program — so for decoding (seqlen_q * group_size <= BLOCK_M) each byte of K and V is
 read from memory once for the whole group. It streams
@@ -22,7 +23,7 @@ bound by memory traffic, not by the mask).
 import triton
 import triton.language as tl
 
-from .common import finish_rows, online_softmax_step, scores
+from .common import finish_rows, online_softmax_step, program_coordinates, scores
 
 
 @triton.jit
@@ -34,16 +35,16 @@ def attention_decode_kernel(
     stride_table_b, stride_slopes_b,
     stride_ob, stride_om, stride_oh,
     nheads, nheads_k, group_size, seqlen_q, seqlen_new, capacity, page_size, num_blocks, blocks_per_split,
-    tile_rows, part_lse_start, score_scale, softcap_scale, softcap_out, window_left, window_right,
+    num_splits, row_blocks, tile_rows, part_lse_start, score_scale, softcap_scale, softcap_out, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
-    num_splits = tl.num_programs(0)
+    split, tile = program_coordinates(num_splits)
+    row_block = tile % row_blocks
+    pid_bhk = tile // row_blocks
     b = (pid_bhk // nheads_k).to(tl.int64)
     hk = (pid_bhk % nheads_k).to(tl.int64)
     # this sequence's keys, new tokens included; clamped to the capacity so that lengths the host did not
@@ -52,7 +53,7 @@ def attention_decode_kernel(
     diagonal_offset = length - seqlen_q
 
     # rows: (query head g of the group, query token i) -> row g * seqlen_q + i; BLOCK_M rows per program
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     g = rows // seqlen_q
     i = rows % seqlen_q
     row_ok = g < group_size
@@ -142,9 +143,8 @@ def attention_decode_combine_kernel(
     nheads, nheads_k, group_size, seqlen_q, num_splits, tile_rows, part_lse_start,
     HEADDIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    """One program per (batch * K/V head, row of the tile): out = sum_s exp(lse_s - lse) o_s."""
-    pid_bhk = tl.program_id(0)
-    row = tl.program_id(1)
+    """One program per (row of the tile, batch * K/V head), along grid axis 0: out = sum_s exp(lse_s - lse) o_s."""
+    row, pid_bhk = program_coordinates(tile_rows)
     g = row // seqlen_q
     if g < group_size:
         i = row % seqlen_q

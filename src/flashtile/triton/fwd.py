@@ -26,8 +26,8 @@ Limitations: no dropout; fp64 is left to the torch backend.
 import triton
 import triton.language as tl
 
-from .common import (alibi_slope, finish_rows, key_block_bounds, load_tile, online_softmax_step, program_heads,
-                     scores, sequence_bounds)
+from .common import (alibi_slope, finish_rows, key_block_bounds, load_tile, online_softmax_step,
+                     program_coordinates, program_heads, scores, sequence_bounds)
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def attention_fwd_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    nheads, group_size, seqlen_q, seqlen_k,
+    nheads, group_size, seqlen_q, seqlen_k, query_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -124,8 +124,7 @@ def attention_fwd_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = program_coordinates(query_programs)
     b, h, hk = program_heads(pid_bh, nheads, group_size)
     # packed sequences: stride_*b are 0 and each sequence starts at its own first row
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
@@ -138,7 +137,7 @@ def attention_fwd_kernel(
     if VARLEN:
         # the grid covers max_seqlen_q (a hint), at most configs.VARLEN_GRID_ROWS rows: a longer sequence's
         # extra blocks are taken in turn
-        for m0 in range(pid_m * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
+        for m0 in range(pid_m * BLOCK_M, seqlen_q, query_programs * BLOCK_M):
             _forward_query_block(m0, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, q_start, k_start, b, h, hk, slope,
                                  stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om,
                                  stride_oh, stride_lse_b, stride_lse_h, stride_mask_b, stride_mask_h, stride_mask_m,

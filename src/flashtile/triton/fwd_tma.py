@@ -5,9 +5,9 @@ for Q, K and V, each a 4-D (batch, heads, rows, dim) view of the (batch, rows, h
 whose [1, 1, block_rows, block_width] box is one head's tile: the copy engine moves whole tiles and
 zero-fills rows past the end of the sequence and columns past the head dim, no per-element pointer or
 bounds arithmetic is left in the loop, and no program builds a descriptor of its own. Descriptors
-built in the kernel (`tl.make_tensor_descriptor`, this kernel until session 7) cost every program
-their set-up; on an H200 the host-side ones made the 1k-key forward 18-28% faster at d = 128 and
-11-62% at d = 64 (causal the most), so the table now takes this kernel at every length (BENCHMARKS.md).
+built in the kernel (`tl.make_tensor_descriptor`) cost every program their set-up; on an H200 the
+host-side ones made the 1k-key forward 18-28% faster at d = 128 and 11-62% at d = 64 (causal the most),
+so the table takes this kernel at every length on sm_90 (docs/schedules.md).
 The output is stored by pointers (a 128-row tile is written once; the warp-specialized variant below
 cannot store through a host descriptor).
 
@@ -15,9 +15,9 @@ Without warp specialization the key loop is split into masked edges and an unmas
 fwd.py, except that in a dense batch the interior and the right edge (a band closing on the right, or the
 keys' ragged end) share one loop and the edge blocks take the element mask through a runtime branch: as a
 loop of its own the edge started with a copy that waited behind the interior loop's drain, once per program
-(H200, session 12: d = 128 causal forward +5% at 1k keys, +0.5% at 4k; session 13, without a band: +3% at 1k,
-d = 128). Long problems without a band (SEPARATE_RAGGED_END, the tile table's choice from 4k keys) keep the
-ragged end in a loop of its own: there the branch in the loop cost 1-3% (d = 64 4k 3.3%, d = 128 16k 1-2%).
+(H200, d = 128: causal forward +5% at 1k keys, +0.5% at 4k, docs/schedules.md; without a band +3% at 1k).
+Long problems without a band (SEPARATE_RAGGED_END, the tile table's choice from 4k keys) keep the ragged end
+in a loop of its own: there the branch in the loop cost 1-3% (d = 64 4k 3.3%, d = 128 16k 1-2%; docs/tuning.md).
 The left-edge loop is compiled only where there is a left edge (HAS_LEFT).
 
 With WARP_SPECIALIZE the compiler splits one key loop into a producer warp issuing the TMA
@@ -32,7 +32,7 @@ from it: were the query positions built from that same scalar, they would come o
 descriptors take their row from a separate value (m0_desc), which the pass offsets alone. The same
 split needs the query tile's descriptor built in the kernel (the pass gives each consumer its own,
 with a half-height box): with a host descriptor triton 3.9 refuses the kernel, and pointer loads of Q
-trip an assertion of the pass in both 3.6 and 3.9 (session 7, compiled for sm_90).
+trip an assertion of the pass in both 3.6 and 3.9 (compiled for sm_90; docs/compiler-workarounds.md).
 
 Packed variable-length batches (VARLEN, schedule 1 only) use the same descriptors over the packed
 (1, total, heads, dim) tensors: a program's tiles start at its sequence's cu_seqlens row, and it loops
@@ -43,7 +43,7 @@ there cannot reach the output through 0 * inf. Query rows past the end are compu
 
 With a band that closes on the right (causal) the query blocks are taken from the last one down: the
 blocks that see the most keys start first and short ones fill the last wave (+6% at 16k keys, d = 128,
-on an H200; within -2.5% .. +1% at 1k and 4k; BENCHMARKS.md, session 8).
+on an H200; within -2.5% .. +1% at 1k and 4k; docs/schedules.md).
 
 Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from .common import (alibi_slope, band_mask, descriptor_origin, finish_rows, key_block_bounds, online_softmax_step,
-                     program_heads, scores, sequence_bounds)
+                     program_coordinates, program_heads, scores, sequence_bounds)
 
 
 @triton.jit
@@ -175,7 +175,7 @@ def attention_fwd_tma_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
     stride_slopes_b,
-    nheads, group_size, seqlen_q, seqlen_k,
+    nheads, group_size, seqlen_q, seqlen_k, query_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -184,13 +184,12 @@ def attention_fwd_tma_kernel(
     SEPARATE_RAGGED_END: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
 ):
     tl.static_assert(not (VARLEN and WARP_SPECIALIZE), "packed sequences take the forward without warp specialization")
-    pid_m = tl.program_id(0)
+    pid_m, pid_bh = program_coordinates(query_programs)
     if HAS_RIGHT:
         # the band closes on the right, so later query blocks see more keys: start them first (programs are
         # dispatched in launch order, query blocks of a head next to each other, which keeps its K and V in
         # L2), so the short ones fill the last wave
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
+        pid_m = query_programs - 1 - pid_m
     b, h, hk = program_heads(pid_bh, nheads, group_size)
     # packed sequences (VARLEN): stride_ob is 0 and each sequence starts at its own first row
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
@@ -200,7 +199,7 @@ def attention_fwd_tma_kernel(
     if VARLEN:
         # the grid covers max_seqlen_q (a hint), at most configs.VARLEN_GRID_ROWS rows: a longer sequence's
         # extra blocks are taken in turn
-        for m0 in range(pid_m * BLOCK_M, seqlen_q, tl.num_programs(0) * BLOCK_M):
+        for m0 in range(pid_m * BLOCK_M, seqlen_q, query_programs * BLOCK_M):
             _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, o_ptr, Lse, b, h, hk, q_start, k_start, slope,
                                      stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
                                      stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,

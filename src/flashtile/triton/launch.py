@@ -52,7 +52,8 @@ def _forward_widths(flags: dict) -> dict:
     Where the q/k head dim is padded (HEADDIM < BLOCK_D) and the value tile is narrower than the key tile,
     triton 3.6 on an H200 computed P @ V from outside its shared-memory buffers (compute-sanitizer:
     out-of-range shared address; wrong outputs, sometimes an illegal-address fault; headdim 40 with
-    headdim_v 3, 8, 12 or 24 at 128 x 64 tiles, and 16 at one pipeline stage; BENCHMARKS.md, 2026-11-29).
+    headdim_v 3, 8, 12 or 24 at 128 x 64 tiles, and 16 at one pipeline stage; 2026-11-29,
+    docs/compiler-workarounds.md).
     Padding the value tile to the key tile's width was measured correct in every such case; the result
     is the same (the extra columns are masked), the cost is a wider P @ V for those uncommon shapes.
     """
@@ -143,7 +144,7 @@ def _tma_ready(tensors, attn_mask) -> bool:
 # once per process (Python's default warning filter): the opt-in schedule 2 is not safe to train with
 WARP_SPECIALIZED_WARNING = (
     "forward_schedule=2 (warp-specialized, opt-in) is experimental: on an H200 under triton 3.6, reruns beside "
-    "other GPU processes returned NaN in out and inf in lse 3 times in 382,482 (BENCHMARKS.md, seventh session); "
+    "other GPU processes returned NaN in out and inf in lse 3 times in 382,482 (BENCHMARKS.md); "
     "use the default table for anything that matters")
 
 
@@ -206,6 +207,18 @@ def _outputs(q, problem: AttentionProblem, packed: bool):
     return out, lse
 
 
+# CUDA's grid axis 0 (axes 1 and 2 hold 65,535 programs; every kernel lays its programs along axis 0)
+MAX_PROGRAMS = 2**31 - 1
+
+
+def _grid(programs: int) -> tuple[int]:
+    """A one-axis grid of `programs` programs (the kernels split their index with common.program_coordinates)."""
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"this call needs {programs:,} programs, more than a CUDA grid axis holds "
+                         f"({MAX_PROGRAMS:,}); split the batch into several calls")
+    return (programs,)
+
+
 def _register_cap(registers: int) -> dict:
     """Triton's maxnreg launch option for a register cap per thread (0: none). The tiles set caps for the TMA
     forward (forward_max_registers; the pointer kernel, which a call reaches when its tensors are not TMA-ready,
@@ -228,7 +241,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     flags = _forward_widths(flags)
-    grid = (max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m)), p.batch * p.nheads)
+    query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m))
+    grid = _grid(query_programs * p.batch * p.nheads)
     # packed batches take TMA loads under schedule 1 only (the warp-specialized loop keeps to dense batches)
     tma_schedule = tiles.forward_schedule == 1 or (tiles.forward_schedule == 2 and not varlen)
     if tma_schedule and _tma_ready((q, k, v), attn_mask):
@@ -244,7 +258,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             (q, _heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
              _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, cu_q, cu_k),
             (*_row_strides(q, 1), *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
-             slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
+             slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen,
             SEPARATE_RAGGED_END=bool(tiles.forward_separate_ragged_end),
@@ -254,7 +268,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, mask, cu_q, cu_k),
         (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k), *_row_strides(out, batch_q),
          lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
-         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, *scalars),
+         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         VARLEN=varlen, **flags)
     return out, lse
@@ -274,7 +288,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     # no zero fill for packed batches either: every key row lies in some sequence (cu_seqlens_k ends at total_k,
     # checked on the CPU, the caller's guarantee on a GPU) and the dK/dV programs store every key block of their
     # sequence, zeros where no query sees it (a sequence without queries too); the fill of dk and dv took 0.34
-    # ms of a 15 ms causal fwd+bwd (BENCHMARKS.md, session 11)
+    # ms of a 15 ms causal fwd+bwd (docs/varlen.md)
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     has_dlse = grad_lse is not None
     grad_lse = grad_lse.float().contiguous() if has_dlse else lse  # never read without HAS_DLSE
@@ -286,8 +300,11 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     stats = (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides)
     # packed batches: a host-side descriptor spans the packed tensor, so past a sequence's end it reads the next
     # sequence's rows; their kernels take only the interior blocks by TMA and the edge blocks by masked pointer
-    # loads (zeroing the neighbour's rows in the kernel instead cost 4.5-11%, session 8)
-    use_tma = tiles.backward_tma and _tma_ready((q, k, v, grad_out), attn_mask)
+    # loads (zeroing the neighbour's rows in the kernel instead cost 4.5-11%, docs/varlen.md)
+    # one key (seqlen_k 1, which Triton compiles as a constant): pointer loads. With the dQ programs' K/V stream
+    # by TMA over one constant key block, triton 3.6's ptxas crashes (error -11; 27 of 216 seqlen-1 problems,
+    # reproduced on a CPU by tests/sm90_launches.py, docs/compiler-workarounds.md); one key has nothing to stream
+    use_tma = tiles.backward_tma and p.seqlen_k > 1 and _tma_ready((q, k, v, grad_out), attn_mask)
     dq_rows, dq_keys, dq_warps = tiles.dq_tile
     if use_tma:
         # the dK/dV programs stream bwd_block_m query rows (q, dO), the dQ programs dq_keys keys (k, v)
@@ -304,12 +321,13 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
         # a dK/dV program may run before the dQ program of its query rows: delta from a launch of its own. Rows
         # are independent there: a packed batch is one long sequence to the preprocess kernel
         rows, batch = out.shape[1], out.shape[0]
+        row_programs = _cdiv(rows, 64)
         launch(
-            attention_bwd_preprocess_kernel, (_cdiv(rows, 64), batch * p.nheads), (out, grad_out, grad_lse, delta),
-            (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows),
+            attention_bwd_preprocess_kernel, _grid(row_programs * batch * p.nheads), (out, grad_out, grad_lse, delta),
+            (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows, row_programs),
             HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
         launch(
-            attention_bwd_kernel, (key_programs * p.nheads_k + query_programs * p.nheads, p.batch),
+            attention_bwd_kernel, _grid((key_programs * p.nheads_k + query_programs * p.nheads) * p.batch),
             (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k),
             (*inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
              p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars),
@@ -319,18 +337,18 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     # dO already) and stores it for the dK/dV kernel; its tile is by default the dK/dV tile transposed
     # (bwd_block_n query rows against bwd_block_m keys)
     launch(
-        attention_bwd_dq_kernel, (query_programs, p.batch * p.nheads),
+        attention_bwd_dq_kernel, _grid(query_programs * p.batch * p.nheads),
         (q, k, v, grad_out, out, *descriptors, lse, delta, grad_lse, dq, slopes, mask, cu_q, cu_k),
         (*inputs, *_row_strides(out, batch_q), *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k,
-         *scalars),
+         query_programs, *scalars),
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, HAS_DLSE=has_dlse, **dict(bwd, num_warps=dq_warps),
         **_register_cap(tiles.dq_max_registers))
     if k.shape[1] > 0:
         launch(
-            attention_bwd_dkdv_kernel, (key_programs, p.batch * p.nheads_k),
+            attention_bwd_dkdv_kernel, _grid(key_programs * p.batch * p.nheads_k),
             (q, k, v, grad_out, *descriptors, lse, delta, dk, dv, slopes, mask, cu_q, cu_k),
             (*inputs, *dk_strides, *dv_strides, *stats, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k,
-             *scalars),
+             key_programs, *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
     return dq, dk, dv
 
@@ -362,38 +380,28 @@ class DecodeTile:
     max_splits: int = 64
 
 
-# From benchmarks/tune_decode.py on the H200 (bf16, d 128, 32 query heads on 8 K/V heads, kernels replayed from
-# CUDA graphs; raw output in benchmarks/results/raw/, BENCHMARKS.md). A contiguous cache: 64-key blocks, 2 stages
-# (3 stages won at batch 1 but lost 5-18% at batch 8 and 64), about four waves (10 splits 3% faster than 5 at
-# 8 x 128k). Pages that are a multiple of 64 keys take the same tile, one page lookup per key block (session 15,
-# page 256, against the 128-key blocks at two waves that served pages of a multiple of 128 keys until then:
-# 1 x 4k 9.6 us against 12.8, 8 x 4k 39.5 against 41.5, 1 x 32k 40.7 against 41.9, 1 x 128k 129.8 against 132.5,
-# 8 x 128k 970.6 against 976.0, 64 x 32k 1,914 against 1,915; session 12, page 64 at 8 x 128k: 975 against 1,004
-# for 16-key blocks). Other pages (every page size is a multiple of 16): 16-key blocks, again one lookup per block,
-# 2 warps and 8 stages so that enough bytes stay in flight, about four waves (session 12, page 16: 8 x 128k
-# 1,008 us, 1 x 32k 41.1, 1 x 128k 131, 64 x 32k 1,998, where the 128-key blocks with a page lookup per key that
-# served these pages until then took 1,169 / 48.8 / 146 / 2,073 and the contiguous cache 1,006 / 40.1 / 130 /
-# 1,925; pages of 32 keys within 3.6% of the best tile measured for them).
-# A contiguous cache whose keys are split: 3 stages at about two waves, two programs per SM with more bytes in
-# flight each (session 16, against 2 stages at four waves in the same run: 1 x 4k 8.7 us against 9.4, 1 x 32k 38.4
-# against 40.1, 1 x 128k 127.7 against 129.8, 8 x 4k 37.8 against 38.8, 8 x 32k 247.1 against 248.3, 8 x 128k 967.9
-# against 968.1). Not for pages of 256 keys (1 x 128k 146.6 against 130.1: a page lookup per block needs more
-# programs in flight), nor for unsplit launches (session 15, batch 64: 3 stages +25%).
-# Other pages in unsplit launches: the 64-key tile too, each block looking up the pages it spans (session 16, pages
-# of 16: 64 x 32k 1,963 us against 2,033 for 16-key blocks, 64 x 128k 7,958 against 8,263; in split launches the
-# 16-key blocks stayed ahead but at 1 x 4k: 8 x 4k 39.7 against 40.8, 1 x 32k 40.8 against 42.2, 1 x 128k 130.6
-# against 134.8, 8 x 128k equal, 1 x 4k 10.9 against 10.3).
+# Decode tiles. Why each, with its measurements: docs/decode.md (paged reads) and docs/tuning.md (the tiles); numbers
+# from benchmarks/tune_decode.py on an H200 (bf16, d = 128, 32 query heads on 8 K/V heads, kernels from CUDA graphs),
+# raw results in benchmarks/results/raw/ under the names given.
+# Unsplit launches, contiguous or paged: 64-key blocks, 2 stages (3 lost 5-25% at batch 8 and 64), about four waves;
+# a block over smaller pages looks up each page it spans (pages of 16, 64 x 32k: 1,963 us against 2,033 for 16-key
+# blocks). Raw: 2026-11-29-h200-tune-decode.txt, 2026-11-30-h200-s16-call4-page16-tiles.txt
 DECODE_TILE = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
-# Split launches over pages of a multiple of 64 keys: the same tile, down to 2 key blocks a split (session 19, pages
-# of 256, kernels replayed from CUDA graphs: 1 x 4k 9.3 us at 32 splits against 10.2 at the 16 that 4 blocks a split
-# allowed, 1 x 8k 11.8 at 64 against 12.6 at 32; from 1 x 16k and at batch 8 the split count does not change)
+# Split launches over pages of a multiple of 64 keys: the same tile, one page lookup per block, down to 2 key blocks a
+# split so that short caches get more programs (1 x 4k: 9.3 us at 32 splits against 10.2 at 16).
+# Raw: 2026-11-30-h200-s15-call2-varlen-fix-decode-tiles.txt, 2026-12-01-h200-s19-call3-variants.txt
 DECODE_TILE_LARGE_PAGES_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4, min_blocks_per_split=2)
+# Split launches over a contiguous cache: 3 stages at about two waves, two programs per SM with more bytes in flight
+# each (up to 7% faster at batch 1 and 8); not for paged caches, whose page lookups need more programs in flight.
+# Raw: 2026-11-30-h200-s16-call2-decode-stages-packed-d64.txt
 DECODE_TILE_CONTIGUOUS_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=3, waves=2)
+# Split launches over other pages (every page size is a multiple of 16): 16-key blocks, one lookup each, 2 warps and
+# 8 stages so that enough copies stay in flight (pages of 16, 8 x 128k: 1,008 us against 1,196 with a lookup per key).
+# Raw: 2026-11-30-h200-s12-call2-page16-tiles.txt
 DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
-# Short caches in pages smaller than 64 keys, where DECODE_TILE_SMALL_PAGES would give each split no more key blocks
-# than its pipeline stages (so the pipeline never fills): 4 stages and twice the programs, down to 2 key blocks a
-# split and up to 128 splits (session 18, pages of 16, kernels replayed from CUDA graphs: 1 x 4k 10.0 us against
-# 10.9, 1 x 8k 13.4 against 14.6; at 1 x 16k, 16 blocks a split, the 8-stage tile stays: 25.3 against 26.5)
+# Short caches in such pages, where DECODE_TILE_SMALL_PAGES would leave a split no more key blocks than stages (the
+# pipeline never fills): 4 stages, eight waves, down to 2 key blocks a split, up to 128 splits (pages of 16, 1 x 4k:
+# 10.0 us against 10.9). Raw: 2026-11-30-h200-s18-call8-smallpages.txt, 2026-11-30-h200-s18-call9-variants.txt
 DECODE_TILE_SHORT_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=4, waves=8, min_blocks_per_split=2,
                                            max_splits=128)
 
@@ -512,7 +520,8 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
         attention_decode_kernel,
         (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
          *out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
-         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, tile_rows, part_lse_start, score_scale,
+         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, shape.splits, shape.row_blocks, tile_rows,
+         part_lse_start, score_scale,
          softcap_scale, softcap_out, window_left, window_right),
         dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
              PAGE_CHUNK=page_chunk(shape.block_n, call.page_size),
@@ -525,8 +534,9 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
             (*out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, shape.splits, tile_rows, part_lse_start),
             dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(shape.splits),
                  STORE_LSE=store_lse))
-    return _DecodePlan((shape.splits, batch * p.nheads_k, shape.row_blocks), kernel,
-                       (batch * p.nheads_k, tile_rows, 1), combine, out_shape,
+    # one-axis grids (common.program_coordinates), kept as three ints for the relaunch
+    return _DecodePlan((*_grid(shape.splits * shape.row_blocks * batch * p.nheads_k), 1, 1), kernel,
+                       (*_grid(tile_rows * batch * p.nheads_k), 1, 1), combine, out_shape,
                        (batch, p.nheads, seqlen_q) if store_lse else None, part_lse_start + partial_rows, q.dtype,
                        q.device)
 

@@ -1,9 +1,9 @@
-"""Launching a Triton kernel again without Triton's argument binder.
+"""Launching a Triton kernel again without Triton's argument binder, on the Triton versions this was tested on.
 
 `kernel[grid](...)` runs Triton's binder on every call: it classifies each argument (pointer dtype and
 16-byte alignment, integer value class, descriptor block shape), hashes the result and looks the compiled
 kernel up. On the H200's host that costs ~20 us of the ~33 us a launch of a 36-argument kernel takes
-(BENCHMARKS.md, session 4: 13.1 us for the same compiled kernel relaunched directly), and a 1k-token
+(13.1 us for the same compiled kernel relaunched directly; docs/launch-overhead.md), and a 1k-token
 forward or a decode step is short enough to feel it.
 
 `launch` keeps the compiled kernel Triton returned under a key of its own, and relaunches it directly
@@ -11,21 +11,18 @@ when the key comes back. The key is finer than Triton's specialisation, so equal
 same compiled kernel: the dtype and 16-byte alignment of every tensor, the dtype and block shape of
 every host-side tensor descriptor, the exact value and type of every scalar argument, every constexpr
 and launch option, and the current device. A new key goes through `kernel[grid]` (which compiles if it
-must) and records the result. Under the interpreter every call goes through Triton. `launch_fixed` does
-the same for a `FixedLaunch`, a kernel whose scalars, constexprs and tensor dtypes a caller has fixed once
-(a decode plan): its key is that object, the device and the tensors' alignment, so a launch hashes neither
-the scalars nor the constexprs and reads no dtype.
+must) and records the result. `launch_fixed` does the same for a `FixedLaunch`, a kernel whose scalars,
+constexprs and tensor dtypes a caller has fixed once (a decode plan): its key is that object, the device
+and the tensors' alignment, so a launch hashes neither the scalars nor the constexprs and reads no dtype.
 
-A relaunch passes tensors as their addresses (ints), which Triton's launcher takes as they are, instead
-of tensors, for which it calls data_ptr() and asks the driver about the pointer once per argument; and,
-while no launch hook is installed, it calls the launcher without launch metadata or hooks. With Triton
-3.6 (the version on the H200, whose launcher this was read from) a kernel that needs no scratch memory
-goes to the compiled launcher itself, skipping the Python wrapper that allocates scratch; other versions
-go through `CompiledKernel.run`, or through `compiled[grid]` where that is missing. With these and the
-decode plans (launch.decode), a small decode step's host time on the H200 went from 77-131 to 43-55 us
-(BENCHMARKS.md, session 11). For a kernel that takes host-side TMA descriptors, Triton 3.6 puts a second
-Python wrapper in front of its compiled launcher, which encodes every descriptor on every launch; a relaunch
-goes past it too, with encodings kept per address and layout (`_descriptor_launcher`).
+A relaunch passes tensors as their addresses (ints), which Triton's launcher takes as they are, and calls
+the compiled launcher itself, without launch metadata or hooks, and past the Python wrapper that Triton
+3.6 puts in front of it for kernels with host-side TMA descriptors (which encodes every descriptor on every
+launch: here each encoding is kept per address and layout, `_descriptor_launcher`). That launcher's
+argument order and closure are Triton's private layout, read from Triton 3.6.0: the relaunch runs only on
+the versions in FAST_LAUNCH_VERSIONS (the GPU tests check there that it gives the bits of Triton's own
+launch), and every launch goes through `kernel[grid]` on any other version, under the interpreter, and
+when FLASHTILE_FAST_LAUNCH=0 is set in the environment when flashtile is imported.
 
 Contract of a kernel launched this way: its parameters are the tensors first, then the scalars, then
 the constexprs (passed by keyword; a constexpr left out takes its default). An object without the JIT
@@ -33,6 +30,9 @@ function's `fn` (a test's stand-in that wraps a kernel) is launched through `[gr
 Triton's launch hooks (`knobs.runtime.launch_enter_hook`, used by profilers) are honoured: with a hook
 installed, relaunches go through `compiled[grid]` with the tensors, as Triton's own relaunch does.
 Triton's debug knobs are read when a key is first seen.
+
+A kernel that Triton or ptxas cannot compile (or whose first launch fails) raises KernelCompileError, which
+names the kernel, its tile and launch options and the grid.
 """
 
 from __future__ import annotations
@@ -40,13 +40,16 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import triton
+from triton.errors import TritonError
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..errors import KernelCompileError
 from .configs import interpreting
 
 # keys are per distinct call shape; a process that sees more than this many starts over
@@ -54,8 +57,23 @@ MAX_ENTRIES = 4096
 # encoded TMA descriptors kept per compiled kernel (one per address and layout of a tensor it streams)
 MAX_ENCODED_DESCRIPTORS = 1024
 
-# Triton versions whose compiled launcher was read and is called directly (see the module docstring)
-DIRECT_LAUNCHER_VERSIONS = ("3.6.",)
+# Triton releases whose compiled launcher was read and whose relaunch is tested on the GPU (module docstring)
+FAST_LAUNCH_VERSIONS = ("3.6.0",)
+FAST_LAUNCH_SWITCH = "FLASHTILE_FAST_LAUNCH"
+# the constexprs and launch options that name a kernel's tile in KernelCompileError
+_TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "BLOCK_S", "num_warps", "num_stages", "maxnreg",
+                 "USE_TMA", "WARP_SPECIALIZE")
+
+
+def fast_launch_enabled(version: str | None = None, environ=None) -> bool:
+    """Whether relaunches skip Triton's binder: only on a Triton release in FAST_LAUNCH_VERSIONS, and not where
+    FLASHTILE_FAST_LAUNCH is 0 (or false, off, no)."""
+    switch = (os.environ if environ is None else environ).get(FAST_LAUNCH_SWITCH, "1").strip().lower()
+    return (version or triton.__version__) in FAST_LAUNCH_VERSIONS and switch not in ("0", "false", "off", "no")
+
+
+FAST_LAUNCH = fast_launch_enabled()
+
 
 _compiled: dict = {}
 
@@ -114,9 +132,23 @@ def _constexpr_tail(kernel, positional: int, options: dict) -> tuple:
     return tuple(tail)
 
 
+def _kernel_name(kernel) -> str:
+    fn = getattr(kernel, "fn", None)
+    return getattr(fn, "__name__", None) or type(kernel).__name__
+
+
 def _first_launch(kernel, grid: tuple, args: tuple, options: dict):
-    """Triton's own launch (binding, compiling if needed); returns the compiled kernel."""
-    return kernel[grid](*args, **options)
+    """Triton's own launch (binding, compiling if needed); returns the compiled kernel. A failure of Triton's
+    (a compiler or ptxas error, too little shared memory, a failed launch) becomes a KernelCompileError."""
+    try:
+        return kernel[grid](*args, **options)
+    except (TritonError, RuntimeError) as error:
+        if isinstance(error, KernelCompileError) or not (isinstance(error, TritonError) or "Triton" in str(error)):
+            raise
+        tile = ", ".join(f"{name}={options[name]}" for name in _TILE_OPTIONS if name in options)
+        first_line = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise KernelCompileError(f"flashtile could not compile or launch {_kernel_name(kernel)} ({tile}; grid "
+                                 f"{tuple(grid)}) with Triton {triton.__version__}: {first_line[:500]}") from error
 
 
 def _hooked() -> bool:
@@ -184,34 +216,30 @@ def _descriptor_launcher(launcher) -> tuple[Callable, Callable[[tuple], list]] |
 
 
 def _hookless_launcher(compiled) -> Callable | None:
-    """A function (grid, device, arguments) that launches `compiled` with no launch metadata or hooks, or None
-    where `compiled` does not look like Triton's CompiledKernel (a test's recorder)."""
+    """A function (grid, device, arguments) that launches `compiled` with no launch metadata or hooks through its
+    compiled launcher (Triton 3.6's layout, module docstring), or None where `compiled` does not have that
+    layout (a test's recorder) or needs scratch memory, which Triton's own launch allocates: those relaunch
+    through compiled[grid]."""
     run, function, metadata = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
-    if run is None or function is None or metadata is None:
+    launcher = getattr(run, "launch", None)
+    if (launcher is None or function is None or metadata is None or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0):
         return None
     stream_of = _stream_getter()
-    launcher = getattr(run, "launch", None)
-    direct = (triton.__version__.startswith(DIRECT_LAUNCHER_VERSIONS) and launcher is not None
-              and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0)
-    if direct:
-        cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
-        unwrapped = _descriptor_launcher(launcher)
-        if unwrapped is not None:
-            compiled_launcher, expand = unwrapped
+    cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+    unwrapped = _descriptor_launcher(launcher)
+    if unwrapped is not None:
+        compiled_launcher, expand = unwrapped
 
-            def launch_encoded(grid, device, arguments):
-                compiled_launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None,
-                                  None, metadata, None, None, None, *expand(arguments))
-            return launch_encoded
+        def launch_encoded(grid, device, arguments):
+            compiled_launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None,
+                              None, metadata, None, None, None, *expand(arguments))
+        return launch_encoded
 
-        def launch_direct(grid, device, arguments):
-            launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None, None, metadata,
-                     None, None, None, *arguments)
-        return launch_direct
-
-    def launch_through_run(grid, device, arguments):
-        run(grid[0], grid[1], grid[2], stream_of(device), function, metadata, None, None, None, *arguments)
-    return launch_through_run
+    def launch_direct(grid, device, arguments):
+        launcher(grid[0], grid[1], grid[2], stream_of(device), function, cooperative, pdl, None, None, metadata,
+                 None, None, None, *arguments)
+    return launch_direct
 
 
 def _launch_keyed(key, kernel, grid: tuple, tensors: tuple, tensor_arguments: list, scalars: tuple, options: dict,
@@ -240,10 +268,10 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, **options) -> No
 
     tensors: torch tensors and host-side TensorDescriptors (the kernel's leading parameters); scalars:
     ints, floats and bools (the next ones); options: the constexprs by name and Triton's launch options
-    (num_warps, num_stages). grid: up to three ints.
+    (num_warps, num_stages). grid: up to three ints. Raises KernelCompileError where the kernel does not compile.
     """
-    if interpreting():
-        kernel[grid](*tensors, *scalars, **options)
+    if interpreting() or not FAST_LAUNCH:
+        _first_launch(kernel, grid, (*tensors, *scalars), options)
         return
     device = _device()
     tensor_keys, tensor_arguments = _keys_and_arguments(tensors)
@@ -254,8 +282,8 @@ def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, **options) -> No
 def launch_fixed(fixed: FixedLaunch, grid: tuple, tensors: tuple) -> None:
     """launch(fixed.kernel, grid, tensors, fixed.scalars, **fixed.options), keyed by `fixed` itself, the device
     and the tensors' alignment (their dtypes are fixed with `fixed`). grid: up to three ints."""
-    if interpreting():
-        fixed.kernel[grid](*tensors, *fixed.scalars, **fixed.options)
+    if interpreting() or not FAST_LAUNCH:
+        _first_launch(fixed.kernel, grid, (*tensors, *fixed.scalars), fixed.options)
         return
     device = _device()
     addresses = [t.data_ptr() for t in tensors]
