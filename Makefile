@@ -4,9 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-# test processes (pytest-xdist): the CI machine has 2 cores; the suite took 9-13 min in one process, 7 in two.
-# --dist loadfile: one worker runs a whole file, so module fixtures (the sm_90 compile, the CPU bench run) run once
-# (with per-test distribution both ran on both workers: ~6 minutes of CPU twice)
+# test processes (pytest-xdist): the CI machine has 2 cores. --dist loadfile: one worker runs a whole file, so module
+# fixtures (the sm_90 compile, the CPU bench run) run once instead of once per worker.
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flashtile-installed

@@ -27,7 +27,7 @@ case $stage in
     done ;;
   suite)
     FLASHTILE_TEST_DEVICE=cuda PYTHONPATH=$here/src TRITON_CACHE_DIR=$here/.triton-cache timeout "${2:-480}" \
-      python -m pytest -q -n 14 -p no:cacheprovider -rfE tests --ignore=tests/test_triton_compile.py \
+      python -m pytest -q -n 14 -p no:cacheprovider -rfEs tests --ignore=tests/test_triton_compile.py \
       > "$out/suite.txt" 2>&1
     echo "suite exit $?"; grep -E "^(FAILED|ERROR)" "$out/suite.txt" | head -30; tail -2 "$out/suite.txt" ;;
   memcheck)
