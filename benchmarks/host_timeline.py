@@ -14,7 +14,6 @@ For d 128 x 16 heads and d 64 x 32 heads (batch 16, 1k tokens, causal, bf16):
     python benchmarks/host_timeline.py
 """
 import statistics
-import sys
 import threading
 import time
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from . import _dispatch, kvcache
