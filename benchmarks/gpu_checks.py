@@ -28,7 +28,7 @@ def _error(a, b) -> float:
     return (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item() if a.numel() else 0.0
 
 
-def _check(name: str, got, want, eager, dtype) -> list[str]:
+def _check(got, want, eager, dtype) -> list[str]:
     """Names of the tensors past the eager rule (lse: its finite entries)."""
     failed = []
     for what, g, w, e in zip(("out", "lse", "dq", "dk", "dv"), got, want, eager):
@@ -59,7 +59,7 @@ def _run(call, reference, inputs, grad_seed=1):
 def _case(name: str, call, reference, inputs) -> bool:
     try:
         got, want, eager = _run(call, reference, inputs)
-        failed = _check(name, got, want, eager, inputs[0].dtype)
+        failed = _check(got, want, eager, inputs[0].dtype)
     except Exception as error:  # noqa: BLE001 - every failure is reported, with its first line
         first = next((line for line in str(error).splitlines() if line.strip()), "")
         print(f"{name}: {type(error).__name__}: {first[:300]}", flush=True)
@@ -151,11 +151,13 @@ def timing(label: str) -> bool:
         k_cache, v_cache = (torch.randn(batch, cache, 8, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
         query = torch.randn(batch, 1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
         lengths = torch.full((batch,), cache, device=DEVICE, dtype=torch.int32)
-        graph_step = lambda: flashtile.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=lengths)  # noqa: E731
-        graph_step()
+        def step():
+            return flashtile.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=lengths)
+
+        step()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            graph_step()
+            step()
         us = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
         print(f"{label} decode {batch} x {cache}: {us:7.1f} us ({2 * k_cache.numel() * 2 / us / 1e3:6.0f} GB/s, "
               f"graph replay)", flush=True)

@@ -139,9 +139,9 @@ def assert_close_to_oracle(what: str, actual, oracle, eager, dtype, seed, floor=
     assert not actual.isnan().any(), f"{what}: NaN in flashtile's result (seed {seed})"
     error, where = max_abs_error(actual, oracle)
     eager_error, _ = max_abs_error(eager, oracle)
-    bound = eager_rule_bound(oracle, eager, dtype, floor)
-    assert error <= bound, (f"{what}: max error {error:.3e} at {where} exceeds 2 x eager {eager_error:.3e} + "
-                            f"floor {bound - 2 * eager_error:.1e} ({dtype}, seed {seed})")
+    floor = rounding_floor(dtype, oracle) if floor is None else floor
+    assert error <= 2 * eager_error + floor, (f"{what}: max error {error:.3e} at {where} exceeds 2 x eager "
+                                              f"{eager_error:.3e} + floor {floor:.1e} ({dtype}, seed {seed})")
 
 
 def assert_within_bounds(names, first, second, bounds: dict, what: str, seed) -> None:

@@ -30,11 +30,9 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from flashtile._validate import AttentionProblem
-from flashtile.triton import configs, launch as launchers
+from flashtile.triton import configs, launch as launchers, relaunch
 
 SM90 = GPUTarget("cuda", 90, 32)
-# the constexprs and options that name a launch's tile (the rest follow from the problem)
-TILE_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "num_warps", "num_stages", "maxnreg", "USE_TMA")
 
 
 @dataclass
@@ -50,7 +48,7 @@ class RecordedLaunch:
 
     @property
     def tile(self) -> dict:
-        return {name: self.options[name] for name in TILE_NAMES if name in self.options}
+        return {name: self.options[name] for name in relaunch.TILE_OPTIONS if name in self.options}
 
 
 @contextlib.contextmanager
@@ -73,7 +71,8 @@ def recorded_launches():
 def problem_for(seqlen_q: int, seqlen_k: int, headdim: int, headdim_v: int, dtype: torch.dtype, causal: bool,
                 batch: int = 1, nheads: int = 2, nheads_k: int | None = None, alibi: bool = False) -> AttentionProblem:
     """A dense flash_attn_func problem (bottom-right causal alignment)."""
-    return AttentionProblem(batch=batch, nheads=nheads, nheads_k=nheads_k or nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+    return AttentionProblem(batch=batch, nheads=nheads, nheads_k=nheads_k or nheads, seqlen_q=seqlen_q,
+                            seqlen_k=seqlen_k,
                             headdim=headdim, headdim_v=headdim_v, dtype=dtype, device=torch.device("cpu"),
                             softmax_scale=headdim ** -0.5, window_left=-1, window_right=0 if causal else -1,
                             diagonal_offset=seqlen_k - seqlen_q, alignment="bottom-right", softcap=0.0,

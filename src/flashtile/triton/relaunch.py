@@ -61,8 +61,8 @@ MAX_ENCODED_DESCRIPTORS = 1024
 FAST_LAUNCH_VERSIONS = ("3.6.0",)
 FAST_LAUNCH_SWITCH = "FLASHTILE_FAST_LAUNCH"
 # the constexprs and launch options that name a kernel's tile in KernelCompileError
-_TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "BLOCK_S", "num_warps", "num_stages", "maxnreg",
-                 "USE_TMA", "WARP_SPECIALIZE")
+TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "BLOCK_S", "num_warps", "num_stages", "maxnreg",
+                "USE_TMA", "WARP_SPECIALIZE")
 
 
 def fast_launch_enabled(version: str | None = None, environ=None) -> bool:
@@ -145,7 +145,7 @@ def _first_launch(kernel, grid: tuple, args: tuple, options: dict):
     except (TritonError, RuntimeError) as error:
         if isinstance(error, KernelCompileError) or not (isinstance(error, TritonError) or "Triton" in str(error)):
             raise
-        tile = ", ".join(f"{name}={options[name]}" for name in _TILE_OPTIONS if name in options)
+        tile = ", ".join(f"{name}={options[name]}" for name in TILE_OPTIONS if name in options)
         first_line = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise KernelCompileError(f"flashtile could not compile or launch {_kernel_name(kernel)} ({tile}; grid "
                                  f"{tuple(grid)}) with Triton {triton.__version__}: {first_line[:500]}") from error
