@@ -297,7 +297,8 @@ def test_forced_forward_schedules_compute_the_same_function():
 
 def test_provider_families():
     assert [p.name for p in prov.select_providers(["flashtile"])] == (
-        [f"flashtile[{b}]" for b in _dispatch.BACKENDS] + ["flashtile[triton:tma]", "flashtile[triton:tma-ws]",
+        [f"flashtile[{b}]" for b in _dispatch.BACKENDS] + ["flashtile[triton:tma]", "flashtile[triton:gluon]",
+                                                           "flashtile[triton:tma-ws]",
                                                            "flashtile[triton:bwd0]", "flashtile[triton:bwd1]",
                                                            "flashtile[triton:bwd2]", "flashtile[triton:bwd3]"])
     assert [p.name for p in prov.select_providers(["sdpa", "naive"])] == ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient",

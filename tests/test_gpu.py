@@ -52,6 +52,46 @@ def test_triton_realistic_shapes(case, dtype, seed):
                                             seed)
 
 
+# The Gluon forward (forward_schedule 3) in each of its settings, forced, on the edges its schedule has: one key or
+# query, ragged ends of both, seqlen_q != seqlen_k both ways (fully masked rows when causal and seqlen_q > seqlen_k),
+# GQA 8:1, dv != d, a padded head dim, windows, softcap and ALiBi (forward only: the backward is the Triton one)
+GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0), "pingpong": dict(gluon_pingpong=1),
+                  "one-cta-per-tile": dict(gluon_persistent=0), "overlap-pingpong-one-cta": dict(
+                      gluon_pingpong=1, gluon_persistent=0), "three-stages": dict(gluon_stages=3)}
+GLUON_CASES = {
+    "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
+    "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
+    "ragged-7": ((3, 7, 7, 4, 2, 64, 64), {"causal": True}),
+    "long-q-causal-masked-rows": ((1, 1023, 113, 8, 1, 128, 128), {"causal": True}),
+    "long-k-gqa8": ((1, 257, 4097, 16, 2, 128, 128), {"causal": True}),
+    "dv64-d128": ((2, 500, 600, 4, 4, 128, 64), {}),
+    "d96-window": ((2, 700, 700, 4, 4, 96, 96), {"window_size": (100, 50)}),
+    "softcap-alibi": ((2, 600, 650, 4, 4, 128, 128), {"causal": True, "softcap": 30.0, "alibi": True}),
+}
+
+
+@pytest.mark.parametrize("settings", GLUON_SETTINGS.values(), ids=GLUON_SETTINGS.keys())
+@pytest.mark.parametrize("case", GLUON_CASES.values(), ids=GLUON_CASES.keys())
+def test_gluon_forward_follows_the_oracle_and_repeats_its_bits(case, settings, seed):
+    shape, options = case
+    if settings.get("gluon_stages") == 3 and max(shape[5:]) > 64:
+        settings = dict(settings, gluon_stages=2)  # three stages fit shared memory at widths of 64 only
+    kwargs = dict(options)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(shape[3], device=DEVICE) * 0.1
+    q, k, v = random_qkv(*shape, torch.bfloat16)
+    with flashtile.use_backend("triton", forward_schedule=3, **settings):
+        assert "attention_fwd_gluon_kernel" in flashtile.explain(q, k, v, **kwargs)
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+        again = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), "a rerun changed bits"
+    (ref_out, ref_lse), (eager_out, eager_lse) = (flash_attn_reference(q, k, v, **kwargs),
+                                                  flash_attn_reference(q, k, v, dtype=torch.bfloat16, **kwargs))
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), "rows that see no key must have lse -inf, and only those"
+    assert_close_to_oracle("out", out, ref_out, eager_out, torch.bfloat16, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.bfloat16, seed)
+
+
 # Small ragged shapes at the tile table's own tiles (the small-shape suite forces 16 x 16 tiles): a padded
 # q/k head dim with a narrower value tile once made triton 3.6 read outside shared memory in the forward.
 NARROW_VALUE_SHAPES = {f"d40-dv{dv}": (1, 70, 37, 3, 1, 40, dv) for dv in (3, 8, 12, 16, 24)}

@@ -133,7 +133,8 @@ class TritonBackend:
     """Fused Triton kernels: CUDA GPUs of compute capability 8.0 or newer; CPU tensors under TRITON_INTERPRET=1."""
 
     name = "triton"
-    kernel = ("flashtile.triton: attention_fwd_kernel / attention_fwd_tma_kernel; backward "
+    kernel = ("flashtile.triton: attention_fwd_kernel / attention_fwd_tma_kernel / attention_fwd_gluon_kernel "
+              "(sm_90); backward "
               "attention_bwd_preprocess_kernel then attention_bwd_kernel (one launch), or attention_bwd_dq_kernel "
               "(which also computes delta) then attention_bwd_dkdv_kernel (two launches); KV cache "
               "attention_decode_kernel (+ attention_decode_combine_kernel when split)")

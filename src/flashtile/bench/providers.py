@@ -14,7 +14,8 @@ Each provider answers three questions:
     asked for (FlexAttention falling back to eager); None when they look right.
 
 The contenders: one "flashtile[<backend>]" per flashtile backend (so a new backend shows up by
-itself), "flashtile[triton:tma]" / "flashtile[triton:tma-ws]" / "flashtile[triton:bwd0]" ... "flashtile[triton:bwd3]"
+itself), "flashtile[triton:tma]" / "flashtile[triton:gluon]" / "flashtile[triton:tma-ws]" / "flashtile[triton:bwd0]" ...
+"flashtile[triton:bwd3]"
 with a Triton forward schedule or a backward schedule forced (two or one launch, pointer or TMA loads; only when named),
 torch SDPA with each backend
 forced ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math"), FlexAttention under torch.compile ("flex", CUDA only), naive materialised attention
@@ -94,6 +95,7 @@ class FlashtileProvider(Provider):
     # tma-ws at the warp-specialized forward's fastest tiles (with the table's 8 warps triton 3.6 would not
     # specialize)
     SCHEDULES = {"tma": {"forward_schedule": 1},
+                 "gluon": {"forward_schedule": 3},
                  "tma-ws": {"forward_schedule": 2, "block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2},
                  "bwd0": {"backward_schedule": 0},
                  "bwd1": {"backward_schedule": 1},

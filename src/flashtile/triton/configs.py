@@ -8,12 +8,79 @@ tl.dot accepts, so CI exercises many blocks, ragged edges and masks quickly.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
 from .._validate import AttentionProblem
+
+
+@dataclass(frozen=True)
+class GluonTile:
+    """One launch configuration of the Gluon forward (fwd_gluon.py). Its tile is 128 query rows (two consumer
+    warpgroups of 64) against blocks of block_n keys."""
+
+    block_n: int = 128
+    num_stages: int = 2  # K and V blocks in flight (the ring's stages)
+    overlap: bool = True  # within each consumer, Q Kᵀ of block j + 1 issued before P V of block j
+    pingpong: bool = False  # the two consumers take turns issuing their matmuls
+    persistent: bool = True  # one CTA per SM looping over tiles; False: one CTA per tile
+    consumer_registers: int = 240  # setmaxnreg of each consumer warpgroup
+    max_registers: int = 168  # the launch's cap per thread: 3 warpgroups x 128 threads x 168 fit 64K registers
+    block_m = 128
+
+    def describe(self) -> str:
+        return (f"BLOCK_M {self.block_m} (two consumer warpgroups of 64 rows) x BLOCK_N {self.block_n}, "
+                f"{self.num_stages} K/V stages, {'with' if self.overlap else 'without'} intra-warpgroup overlap, "
+                f"{'with' if self.pingpong else 'without'} pingpong, "
+                f"{'a persistent grid' if self.persistent else 'one CTA per tile'}, "
+                f"{self.consumer_registers} registers per consumer thread")
+
+
+GLUON_WIDTHS = (64, 128)  # padded q/k and v head widths the Gluon forward serves
+SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+
+
+def _padded_width(dim: int) -> int:
+    return max(16, 1 << max(0, dim - 1).bit_length())
+
+
+def gluon_shared_bytes(problem: AttentionProblem, tile: GluonTile) -> int:
+    """Shared memory of the Gluon forward: both consumers' query rows and output staging, the K/V ring, barriers."""
+    d, dv = _padded_width(problem.headdim), _padded_width(problem.headdim_v)
+    return 2 * (tile.block_m * (d + dv) + tile.num_stages * tile.block_n * (d + dv)) + 1024
+
+
+def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
+    """Why the Gluon forward does not serve `problem` ('' where it does); the tensors' alignment is checked at
+    launch (launch.gluon_unserved)."""
+    from . import gluon_compat
+
+    p = problem
+    if not gluon_compat.AVAILABLE:
+        return gluon_compat.UNAVAILABLE_REASON
+    if interpreting() or p.device.type != "cuda":
+        return "Gluon kernels do not run in Triton's CPU interpreter"
+    major, minor = torch.cuda.get_device_capability(p.device)
+    if (major, minor) != (9, 0):
+        return f"it is written for sm_90 (Hopper), this GPU is sm_{major}{minor}"
+    if p.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16 / bf16, not {p.dtype}"
+    if p.mask_kind is not None:
+        return f"a {p.mask_kind} attn_mask runs the Triton kernels"
+    if p.varlen:
+        return "packed (varlen) batches run the Triton kernels"
+    if p.kvcache:
+        return "KV-cache calls run the Triton kernels"
+    widths = _padded_width(p.headdim), _padded_width(p.headdim_v)
+    if not all(w in GLUON_WIDTHS for w in widths):
+        return f"head dims {p.headdim} / {p.headdim_v} pad to widths {widths[0]} / {widths[1]}, not 64 or 128"
+    if gluon_shared_bytes(p, tile) > SHARED_MEMORY_LIMIT:
+        return (f"{tile.num_stages} stages need {gluon_shared_bytes(p, tile):,} bytes of shared memory, more than "
+                f"sm_90's {SHARED_MEMORY_LIMIT:,}")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -32,7 +99,9 @@ class TritonTiles:
     bwd_block_n: int
     bwd_num_warps: int
     bwd_num_stages: int
-    forward_schedule: int = 0  # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py)
+    # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py); 3: the Gluon forward
+    # (fwd_gluon.py) where it serves the call, schedule 1 where not
+    forward_schedule: int = 0
     # backward: 0 the dK/dV then the dQ kernel; 1 both kinds of program in one launch; 2, 3 as 0, 1 with the
     # streamed Q/dO (dK/dV programs) and K/V (dQ programs) tiles loaded by TMA (bwd.py)
     backward_schedule: int = 0
@@ -49,12 +118,25 @@ class TritonTiles:
     forward_separate_ragged_end: int = 0
     # the dQ kernel's register cap per thread in the two-launch schedules (ptxas .maxnreg); 0 = the compiler's choice
     dq_max_registers: int = 0
+    # the Gluon forward (forward_schedule 3, fwd_gluon.py): K/V ring stages, and three flags: Q Kᵀ of block j + 1
+    # issued before P V of block j (overlap), the consumer warpgroups taking turns (pingpong), one CTA per SM looping
+    # over tiles (persistent)
+    gluon_stages: int = 2
+    gluon_overlap: int = 1
+    gluon_pingpong: int = 0
+    gluon_persistent: int = 1
 
     @property
     def dq_tile(self) -> tuple[int, int, int]:
         """(query rows, keys per step, warps) of the dQ programs."""
         return (self.dq_block_m or self.bwd_block_n, self.dq_block_n or self.bwd_block_m,
                 self.dq_num_warps or self.bwd_num_warps)
+
+    @property
+    def gluon_tile(self) -> GluonTile:
+        """The Gluon forward's launch configuration."""
+        return GluonTile(num_stages=self.gluon_stages, overlap=bool(self.gluon_overlap),
+                         pingpong=bool(self.gluon_pingpong), persistent=bool(self.gluon_persistent))
 
     @property
     def backward_one_launch(self) -> bool:
@@ -70,8 +152,15 @@ class TritonTiles:
         dq_rows, dq_keys, dq_warps = self.dq_tile
         registers = f", at most {self.forward_max_registers} registers" if self.forward_max_registers else ""
         dq_registers = f", at most {self.dq_max_registers} registers" if self.dq_max_registers else ""
-        return (f"forward ({FORWARD_SCHEDULES[self.forward_schedule]}) BLOCK_M {self.block_m} x BLOCK_N "
-                f"{self.block_n}, {self.num_warps} warps, {self.num_stages} stages{registers}; backward "
+        triton_forward = (f"forward ({FORWARD_SCHEDULES[self.forward_schedule if self.forward_schedule < 3 else 1]}) "
+                          f"BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps, "
+                          f"{self.num_stages} stages{registers}")
+        forward = triton_forward
+        if self.forward_schedule == 3:
+            reason = gluon_unserved_reason(problem, self.gluon_tile)
+            forward = (f"forward: the Gluon forward does not serve this call ({reason}), so {triton_forward}" if reason
+                       else f"forward ({FORWARD_SCHEDULES[3]}): {self.gluon_tile.describe()}")
+        return (f"{forward}; backward "
                 f"({BACKWARD_SCHEDULES[self.backward_schedule]}) BLOCK_M {self.bwd_block_m} x BLOCK_N "
                 f"{self.bwd_block_n}, {self.bwd_num_warps} warps, {self.bwd_num_stages} stages; dQ programs "
                 f"{dq_rows} query rows x {dq_keys} keys, {dq_warps} warps{dq_registers}")
@@ -84,6 +173,9 @@ FORWARD_SCHEDULES = {
     2: ("attention_fwd_tma_kernel, TMA + warp specialization, when strides are 16-byte aligned, the batch is "
         "dense, there are keys and there is no attn_mask (opt-in and experimental: under triton 3.6 on an H200, "
         "beside other GPU processes, 3 of 382,482 reruns returned NaN; it warns when it runs)"),
+    3: ("attention_fwd_gluon_kernel (Gluon, explicit warp roles: a load warpgroup streaming K/V by TMA, two "
+        "consumer warpgroups with asynchronous wgmma and P in registers) on sm_90 for fp16 / bf16 dense calls of "
+        "padded head widths 64 / 128 without attn_mask; any other call takes attention_fwd_tma_kernel as schedule 1"),
 }
 
 BACKWARD_SCHEDULES = {
@@ -103,7 +195,7 @@ DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV til
 DQ_KEYS = DQ_TILE_KEYS + ("dq_max_registers",)  # what only the two-launch schedules' dQ kernel has
 FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_schedule")  # forced: no table cap
 ZERO_MEANS_DEFAULT = DQ_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
-FLAG_KEYS = ("forward_separate_ragged_end",)  # tile settings that are 0 or 1
+FLAG_KEYS = ("forward_separate_ragged_end", "gluon_overlap", "gluon_pingpong", "gluon_persistent")  # 0 or 1
 
 # Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and dQ grids,
 # keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch, for every short sequence,
@@ -147,8 +239,47 @@ def _separate_ragged_end(problem: AttentionProblem) -> int:
     return int(not problem.is_banded and problem.seqlen_k >= 4096)
 
 
+def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
+    """The Gluon forward's settings where the table takes it (forward_schedule 3), {} where it keeps the Triton
+    forward. All from raw/2026-12-01-h200-gluon-forward-snake-order-variants.jsonl (bf16, one run beside cuDNN and
+    flashtile's Triton forward; TFLOP/s):
+    - no band: overlap, persistent, no pingpong; 3 stages at d = 64 up to 4k keys (418 / 463 against 411 / 456 with
+      2). d = 128: 559 / 619 / 616 at 1k / 4k / 16k against the Triton forward's 445 / 496 / 508; d = 64: 418 / 463
+      / 466 against 382 / 430 / 440.
+    - causal (a band on the right only), d = 128: overlap without pingpong, persistent below 4k keys (1k: 382
+      against 281 with one CTA per tile; the Triton forward 367), one CTA per tile from 4k, where the persistent
+      grid's fixed deal of tiles lost (4k 544 / 16k 588 against 502 / 529; Triton 454 / 521).
+    - causal, d = 64 from 4k keys: neither overlap nor pingpong, one CTA per tile (402 / 452 against Triton's 394 /
+      417); below 4k keys the Triton forward stays (309 against 283).
+    - a left window edge: not measured, the Triton forward stays.
+    """
+    served = (hopper and not problem.varlen and not problem.kvcache and problem.mask_kind is None
+              and _padded_width(problem.headdim) in GLUON_WIDTHS and _padded_width(problem.headdim_v) in GLUON_WIDTHS)
+    if not served or problem.window_left >= 0:
+        return {}
+    wide = max(_padded_width(problem.headdim), _padded_width(problem.headdim_v)) == 128
+    if not problem.is_banded:
+        stages = 3 if not wide and problem.seqlen_k <= 4096 else 2
+        return dict(forward_schedule=3, gluon_stages=stages, gluon_overlap=1, gluon_pingpong=0, gluon_persistent=1)
+    if wide:
+        return dict(forward_schedule=3, gluon_stages=2, gluon_overlap=1, gluon_pingpong=0,
+                    gluon_persistent=int(problem.seqlen_k < 4096))
+    if problem.seqlen_k >= 4096:
+        return dict(forward_schedule=3, gluon_stages=2, gluon_overlap=0, gluon_pingpong=0, gluon_persistent=0)
+    return {}
+
+
 def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
     """The table: the launch settings for `problem` on a GPU of compute capability `capability` (None: the CPU
+    interpreter). The Triton kernels' tiles (_triton_tiles), with the Gluon forward (schedule 3) in the cells where it
+    measured faster (_gluon_forward); its Triton tile stays for the calls the Gluon forward turns away."""
+    tiles = _triton_tiles(problem, capability)
+    hopper = capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
+    return dataclasses.replace(tiles, **_gluon_forward(problem, hopper))
+
+
+def _triton_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
+    """The Triton kernels' launch settings for `problem` on a GPU of compute capability `capability` (None: the CPU
     interpreter).
 
     One rule per statement below, each with the file that measured it (bf16 on an H200 under triton 3.6; shapes of

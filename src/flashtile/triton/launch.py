@@ -22,10 +22,12 @@ from .common import LOG2E
 from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
                   attention_bwd_preprocess_kernel)
 from . import configs
-from .configs import TritonTiles, interpreting
+from .configs import GluonTile, TritonTiles, interpreting
 from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
+from . import gluon_compat
+from .fwd_gluon import WARPGROUP_ROWS, attention_fwd_gluon_kernel
 from .relaunch import FixedLaunch, launch, launch_fixed
 
 configs.record_kernel_mode(attention_fwd_kernel)
@@ -236,6 +238,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     """
     p = problem
     cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
+    if tiles.forward_schedule == 3 and not gluon_unserved(q, k, v, attn_mask, p, tiles.gluon_tile, varlen):
+        return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile)
     out, lse = _outputs(q, p, varlen)
     if (out.numel() == 0 and lse.numel() == 0) or p.batch == 0:
         return out, lse
@@ -244,7 +248,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m))
     grid = _grid(query_programs * p.batch * p.nheads)
     # packed batches take TMA loads under schedule 1 only (the warp-specialized loop keeps to dense batches)
-    tma_schedule = tiles.forward_schedule == 1 or (tiles.forward_schedule == 2 and not varlen)
+    # schedule 3 (the Gluon forward) where that kernel does not serve the call: schedule 1
+    tma_schedule = tiles.forward_schedule in (1, 3) or (tiles.forward_schedule == 2 and not varlen)
     if tma_schedule and _tma_ready((q, k, v), attn_mask):
         mask_all = problem.is_banded or p.seqlen_k % tiles.block_n != 0
         if tiles.forward_schedule == 2:
@@ -271,6 +276,69 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
          p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         VARLEN=varlen, **flags)
+    return out, lse
+
+
+GLUON_L2_GROUP_BYTES = 24 << 20  # K and V bytes of the heads that the longest-first order keeps together (L2 50 MB)
+
+
+def gluon_unserved(q, k, v, attn_mask, problem: AttentionProblem, tile: GluonTile, packed: bool) -> str:
+    """Why the Gluon forward cannot run this call ('' when it can): configs.gluon_unserved_reason, then the tensors."""
+    reason = configs.gluon_unserved_reason(problem, tile)
+    if reason:
+        return reason
+    if attn_mask is not None or packed:
+        return "an attn_mask or packed sequences run the Triton kernels"
+    if not _tma_ready((q, k, v), None):
+        return "TMA needs 16-byte aligned base addresses and strides and non-empty tensors"
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_box_layout(dtype: torch.dtype, block_rows: int, block_width: int):
+    """The NVMMA shared layout (swizzle) that a [1, 1, block_rows, block_width] box of `dtype` lands in."""
+    gl = gluon_compat.gl
+    element = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, block_width], element)
+
+
+def _gluon_heads_view(t: torch.Tensor, block_rows: int, block_width: int):
+    """As _heads_view, a Gluon host descriptor with the shared layout its box lands in (the rules that Gluon's
+    descriptor checks on construction, gluon_unserved has checked)."""
+    batch, rows, heads, dim = t.shape
+    stride_b, stride_m, stride_h, _ = t.stride()
+    descriptor = object.__new__(gluon_compat.TensorDescriptor)
+    descriptor.__dict__.update(base=t, shape=[batch, heads, rows, dim], strides=[stride_b, stride_h, stride_m, 1],
+                               block_shape=[1, 1, block_rows, block_width],
+                               layout=_gluon_box_layout(t.dtype, block_rows, block_width), padding="zero")
+    return descriptor
+
+
+def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonTile):
+    """The Gluon forward (fwd_gluon.py) of a dense call that gluon_unserved accepts: out, lse as forward()."""
+    p = problem
+    out, lse = _outputs(q, p, False)
+    if out.numel() == 0 or p.batch == 0:
+        return out, lse
+    slopes, slopes_stride, _, _, scalars, flags = _score_args(q, alibi_slopes, None, p)
+    block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
+    query_blocks = _cdiv(p.seqlen_q, tile.block_m)
+    num_tiles = query_blocks * p.batch * p.nheads
+    programs = min(num_tiles, _sm_count(q.device)) if tile.persistent else num_tiles
+    _, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = scalars
+    # longest-first order (a band closing on the right) takes heads in groups whose K and V fit in L2 together
+    head_bytes = p.seqlen_k * (p.headdim + p.headdim_v) * q.element_size()
+    group_heads = max(1, min(p.batch * p.nheads, GLUON_L2_GROUP_BYTES // max(1, head_bytes)))
+    launch(
+        attention_fwd_gluon_kernel, _grid(programs),
+        (_gluon_heads_view(q, WARPGROUP_ROWS, block_d), _gluon_heads_view(k, tile.block_n, block_d),
+         _gluon_heads_view(v, tile.block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv), lse, slopes),
+        (lse.stride(0), lse.stride(1), slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_blocks,
+         num_tiles, group_heads, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages, HAS_LEFT=flags["HAS_LEFT"],
+        HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
+        SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong,
+        CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4, maxnreg=tile.max_registers)
     return out, lse
 
 

@@ -92,13 +92,24 @@ class FixedLaunch:
     options: dict
 
 
+def _descriptor_types() -> tuple[type, ...]:
+    """The host-side tensor descriptor classes: Triton's, and Gluon's where this Triton has Gluon."""
+    from . import gluon_compat
+
+    return (TensorDescriptor, gluon_compat.TensorDescriptor) if gluon_compat.AVAILABLE else (TensorDescriptor,)
+
+
+DESCRIPTOR_TYPES = _descriptor_types()
+
+
 def _keys_and_arguments(tensors: tuple) -> tuple[tuple, list]:
-    """The key part of each tensor (a tensor's dtype and 16-byte alignment, a descriptor's dtype and block
-    shape) and what the launcher is given for it: a tensor's address as an int, a descriptor as it is."""
+    """The key part of each tensor (a tensor's dtype and 16-byte alignment, a descriptor's dtype, block shape
+    and shared-memory layout, which a Gluon descriptor carries) and what the launcher is given for it: a tensor's
+    address as an int, a descriptor as it is."""
     keys, arguments = [], []
     for t in tensors:
-        if isinstance(t, TensorDescriptor):
-            keys.append((t.base.dtype, tuple(t.block_shape)))
+        if isinstance(t, DESCRIPTOR_TYPES):
+            keys.append((t.base.dtype, tuple(t.block_shape), getattr(t, "layout", None)))
             arguments.append(t)
         else:
             address = t.data_ptr()

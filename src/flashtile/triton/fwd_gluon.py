@@ -1,0 +1,422 @@
+"""Attention forward, Hopper schedule with explicit warp roles (FlashAttention-3's), written in Gluon.
+
+The same algorithm as fwd.py (online softmax in base 2, one normalisation at the end, the log-sum-exp kept per
+row), run by three roles of one CTA, each a partition of `gl.warp_specialize`:
+
+- the loads: the default partition (4 warps, 24 registers a thread after `setmaxnreg`) loads each tile's query
+  rows once and streams K and V blocks through a ring of NUM_STAGES shared-memory stages with TMA, each copy
+  completing a "ready" mbarrier; it refills a K (or V) stage once both consumers have released it ("empty"): K
+  after its score matmul, V after its P V;
+- two consumer warpgroups (workers of 4 warps, CONSUMER_REGISTERS each through `setmaxnreg`), each owning 64 of
+  the tile's BLOCK_M = 128 query rows. Each issues S = Q Kᵀ as an asynchronous wgmma (Q and K from shared memory),
+  runs the online softmax on S in registers, and issues O += P V with P converted in registers to the wgmma's A
+  operand (no round trip through shared memory), then normalises once and stores its rows by TMA.
+- OVERLAP (intra-warpgroup overlap): a consumer issues Q Kᵀ of block j + 1 before the P V of block j and waits for
+  the score matmul alone (`warpgroup_mma_wait(1)`), so its softmax of block j + 1 runs under its P V of block j;
+  the accumulator's rescale waits for that P V.
+- PINGPONG: the two consumers take turns through a pair of mbarriers: one issues its matmuls only on its turn
+  and passes the turn on once they are issued, so one warpgroup's exponentials run under the other's matmuls.
+
+The grid is min(#SMs, tiles) CTAs for a persistent launch, or one CTA per tile. A CTA takes one tile per wave of
+gl.num_programs(0) tiles, waves dealt in alternating directions (_tile_number); all three roles walk the same
+sequence. With a band that closes on the right (causal) the tiles are ordered longest first within groups of heads
+whose K and V fit in L2; otherwise a head's query blocks are consecutive, which keeps its K and V in L2.
+
+Descriptors: Q, K, V and O are host-side 4-D (batch, heads, rows, dim) views of the (batch, rows, heads, dim)
+tensors whose [1, 1, rows, width] box is one head's tile: the copy engine zero-fills rows past a sequence's end
+(K and V blocks past the last key read zeros, masked to -inf in the scores) and clips the output's stores there.
+
+What it serves: fp16 / bf16, head dims whose padded widths are 64 or 128 (q/k and v apart), dense batches,
+causal (bottom-right) and sliding windows with block skipping, GQA/MQA by head arithmetic, softcap, ALiBi, the
+lse. The launcher (launch.py) sends everything else to the Triton kernels, and explain() says why
+(configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
+"""
+
+from .gluon_compat import (AVAILABLE, fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma, tma_load,
+                           tma_store, warpgroup_mma, warpgroup_mma_wait)
+
+# rows per consumer warpgroup (one wgmma's M is 64 for a warpgroup of 4 warps)
+WARPGROUP_ROWS = 64
+
+attention_fwd_gluon_kernel = None  # without Gluon (configs.gluon_unserved_reason then says so)
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _tiles_of_this_cta(num_tiles):
+        """How many tiles this CTA takes: one per wave of gl.num_programs(0) tiles (see _tile_number)."""
+        programs = gl.num_programs(0)
+        waves = num_tiles // programs
+        last = gl.where(waves % 2 == 0, gl.program_id(0), programs - 1 - gl.program_id(0))
+        return waves + (last < num_tiles % programs).to(gl.int32)
+
+    @gluon.jit
+    def _tile_number(wave):
+        """The tile this CTA takes in `wave`: waves of gl.num_programs(0) consecutive tiles, dealt to the CTAs in
+        alternating directions (snake order), so that a CTA given a long tile in one wave gets a short one in the
+        next when the order is longest first."""
+        programs = gl.num_programs(0)
+        pid = gl.program_id(0)
+        return wave * programs + gl.where(wave % 2 == 0, pid, programs - 1 - pid)
+
+    @gluon.jit
+    def _tile_coordinates(tile, query_blocks, batch_heads, group_heads, LONGEST_FIRST: gl.constexpr):
+        """(query block, batch * nheads index) of tile number `tile`.
+
+        In order: a head's query blocks are consecutive (its K and V stay in L2). LONGEST_FIRST (a band closing on
+        the right, where later query blocks see more keys): heads in groups of group_heads, whose K and V fit in L2
+        together; within a group every head's last query block first, then the one before, and so on."""
+        if LONGEST_FIRST:
+            group = tile // (group_heads * query_blocks)
+            heads = gl.minimum(group_heads, batch_heads - group * group_heads)
+            within = tile - group * group_heads * query_blocks
+            m_block = query_blocks - 1 - within // heads
+            bh = group * group_heads + within % heads
+        else:
+            m_block = tile % query_blocks
+            bh = tile // query_blocks
+        return m_block, bh
+
+    @gluon.jit
+    def _key_range(m0, seqlen_k, diagonal_offset, window_left, window_right, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+        """Key blocks of query rows [m0, m0 + BLOCK_M): (lo, full_lo, full_hi, hi), as common.key_block_bounds:
+        blocks in [full_lo, full_hi) are inside the band and the keys for every row; the others need the mask."""
+        lo = 0
+        full_lo = 0
+        hi = seqlen_k
+        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+        if HAS_LEFT:
+            first_visible = gl.maximum(m0 + diagonal_offset - window_left, 0)
+            lo = (first_visible // BLOCK_N) * BLOCK_N
+            last_row_edge = gl.maximum(m0 + BLOCK_M - 1 + diagonal_offset - window_left, 0)
+            full_lo = ((last_row_edge + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        if HAS_RIGHT:
+            hi = gl.minimum(m0 + BLOCK_M + diagonal_offset + window_right, seqlen_k)
+            first_row_end = gl.maximum(m0 + diagonal_offset + window_right + 1, 0)
+            full_hi = gl.minimum(full_hi, (first_row_end // BLOCK_N) * BLOCK_N)
+        full_hi = gl.maximum(full_hi, full_lo)
+        return lo, full_lo, full_hi, hi
+
+    @gluon.jit
+    def _producer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+        """The load warp: per tile, both consumers' query rows, then every visible K and V block into the ring."""
+        q_desc, k_desc, v_desc, o_desc = descs
+        q_smem, k_smem, v_smem, o_smem = smem
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+        nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads = sizes
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
+        Lse, Slopes, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        it = 0
+        tiles_done = 0
+        for wave in range(_tiles_of_this_cta(num_tiles)):
+            m_block, bh = _tile_coordinates(_tile_number(wave), query_blocks, num_tiles // query_blocks, group_heads,
+                                            HAS_RIGHT)
+            b = bh // nheads
+            h = bh % nheads
+            hk = h // group_size
+            m0 = m_block * BLOCK_M
+            lo, full_lo, full_hi, hi = _key_range(m0, seqlen_k, diagonal_offset, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            q_phase = tiles_done & 1
+            for w in gl.static_range(2):
+                # the consumer frees its query rows once its last score matmul of the previous tile is done
+                mbarrier.wait(q_empty.index(w), q_phase ^ 1)
+                mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+                tma_load(q_desc, [b, h, m0 + w * 64, 0], q_ready.index(w), q_smem.index(w))
+            for n0 in range(lo, hi, BLOCK_N):
+                stage = it % NUM_STAGES
+                phase = (it // NUM_STAGES) & 1
+                # K and V stages are released apart: a score matmul is done with its K block a P V earlier
+                mbarrier.wait(k_empty.index(stage), phase ^ 1)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                tma_load(k_desc, [b, hk, n0, 0], k_ready.index(stage), k_smem.index(stage))
+                mbarrier.wait(v_empty.index(stage), phase ^ 1)
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                tma_load(v_desc, [b, hk, n0, 0], v_ready.index(stage), v_smem.index(stage))
+                it += 1
+            tiles_done += 1
+
+    @gluon.jit
+    def _scores(s, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
+                diagonal_offset, window_left, window_right, MASKED, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                SCALE_IN_EXP2: gl.constexpr):
+        """The tile's scores from its raw products, as common.scores: base 2, or with SCALE_IN_EXP2 the unscaled
+        products (the scale goes into the exponent); -inf outside the band and past the keys where MASKED (a
+        runtime flag: only the band's edge blocks and the keys' ragged end pay for the mask)."""
+        if HAS_SOFTCAP:
+            e = gl.exp(-2.0 * gl.abs(s * softcap_scale))
+            t = (1.0 - e) / (1.0 + e)
+            s = gl.where(s < 0, -t, t) * softcap_out
+        elif not SCALE_IN_EXP2:
+            s = s * score_scale
+        if HAS_ALIBI:
+            distance = gl.abs(offs_m[:, None] + diagonal_offset - offs_n[None, :]).to(gl.float32)
+            s = s - slope * distance
+        if MASKED:
+            last_key = gl.where(offs_m < seqlen_q, seqlen_k - 1, -1)
+            if HAS_RIGHT:
+                last_key = gl.minimum(last_key, offs_m + diagonal_offset + window_right)
+            allowed = offs_n[None, :] <= last_key[:, None]
+            if HAS_LEFT:
+                allowed = allowed & (offs_n[None, :] >= (offs_m + diagonal_offset - window_left)[:, None])
+            s = gl.where(allowed, s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2: gl.constexpr):
+        """One online-softmax step on scores s: (p, alpha, m_new, l_new); alpha rescales what was accumulated."""
+        row_max = gl.max(s, axis=1)
+        if SCALE_IN_EXP2:
+            row_max = row_max * score_scale
+        m_new = gl.maximum(m_i, row_max)
+        # any block may be masked (the keys' ragged end is known at run time), so a row may have seen only -inf
+        # scores so far: it keeps max -inf and is shifted by 0, so that exp2 gives 0, not NaN
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        if SCALE_IN_EXP2:
+            p = gl.exp2(s * score_scale - m_shift[:, None])
+        else:
+            p = gl.exp2(s - m_shift[:, None])
+        alpha = gl.exp2(m_i - m_shift)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _take_turn(my_turn, turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Wait until the other consumer has issued its matmuls (pingpong); consumer 0 starts. Returns turns + 1."""
+        if PINGPONG:
+            mbarrier.wait(my_turn, (turns & 1) ^ (1 - WG))
+        return turns + 1
+
+    @gluon.jit
+    def _pass_turn(other_turn, PINGPONG: gl.constexpr):
+        """This consumer's matmuls are issued: the other may issue its own."""
+        if PINGPONG:
+            mbarrier.arrive(other_turn, count=1)
+
+    @gluon.jit
+    def _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup WG (0 or 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
+        q_desc, k_desc, v_desc, o_desc = descs
+        q_smem, k_smem, v_smem, o_smem = smem
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+        nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads = sizes
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
+        Lse, Slopes, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_DV: gl.constexpr = v_desc.block_type.shape[3]
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_DV, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        my_turn = turn.index(WG)
+        other_turn = turn.index(1 - WG)
+        q_tile = q_smem.index(WG).reshape([64, BLOCK_D])
+        it = 0
+        turns = 0
+        tiles_done = 0
+        for wave in range(_tiles_of_this_cta(num_tiles)):
+            m_block, bh = _tile_coordinates(_tile_number(wave), query_blocks, num_tiles // query_blocks, group_heads,
+                                            HAS_RIGHT)
+            b = bh // nheads
+            h = bh % nheads
+            m0 = m_block * BLOCK_M
+            lo, full_lo, full_hi, hi = _key_range(m0, seqlen_k, diagonal_offset, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            row0 = m0 + WG * 64
+            offs_m = row0 + gl.arange(0, 64, layout=row_layout)
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = gl.load(Slopes + b * stride_slopes_b + h)
+            m_i = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
+            l_i = gl.full([64], 0.0, gl.float32, layout=row_layout)
+            acc = gl.zeros([64, BLOCK_DV], gl.float32, layout=o_layout)
+            mbarrier.wait(q_ready.index(WG), tiles_done & 1)
+            if lo < hi:
+                if OVERLAP:
+                    # prologue: the first block's scores and probabilities
+                    stage = it % NUM_STAGES
+                    mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
+                    turns = _take_turn(my_turn, turns, WG, PINGPONG)
+                    s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
+                                      gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                                      is_async=True)
+                    _pass_turn(other_turn, PINGPONG)
+                    s = warpgroup_mma_wait(0, deps=[s])
+                    mbarrier.arrive(k_empty.index(stage), count=1)
+                    s = _scores(s, offs_m, lo + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k,
+                                score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
+                                window_right, (lo < full_lo) | (lo >= full_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                HAS_ALIBI, SCALE_IN_EXP2)
+                    p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    prev_stage = stage
+                    prev_phase = (it // NUM_STAGES) & 1
+                    it += 1
+                    for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
+                        stage = it % NUM_STAGES
+                        mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
+                        mbarrier.wait(v_ready.index(prev_stage), prev_phase)
+                        turns = _take_turn(my_turn, turns, WG, PINGPONG)
+                        s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
+                                          gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                                          is_async=True)
+                        acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
+                                            is_async=True)
+                        _pass_turn(other_turn, PINGPONG)
+                        # the scores alone: the previous block's P V keeps running under this block's softmax
+                        s = warpgroup_mma_wait(1, deps=[s])
+                        mbarrier.arrive(k_empty.index(stage), count=1)
+                        s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k,
+                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
+                                    window_right, (n0 < full_lo) | (n0 >= full_hi), HAS_LEFT, HAS_RIGHT,
+                                    HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2)
+                        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2)
+                        acc = warpgroup_mma_wait(0, deps=[acc])
+                        mbarrier.arrive(v_empty.index(prev_stage), count=1)
+                        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                        prev_stage = stage
+                        prev_phase = (it // NUM_STAGES) & 1
+                        it += 1
+                    # this tile's last score matmul is done: the producer may load the next tile's query rows
+                    mbarrier.arrive(q_empty.index(WG), count=1)
+                    mbarrier.wait(v_ready.index(prev_stage), prev_phase)
+                    turns = _take_turn(my_turn, turns, WG, PINGPONG)
+                    acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
+                                        is_async=True)
+                    _pass_turn(other_turn, PINGPONG)
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                    mbarrier.arrive(v_empty.index(prev_stage), count=1)
+                else:
+                    for n0 in range(lo, hi, BLOCK_N):
+                        stage = it % NUM_STAGES
+                        phase = (it // NUM_STAGES) & 1
+                        mbarrier.wait(k_ready.index(stage), phase)
+                        turns = _take_turn(my_turn, turns, WG, PINGPONG)
+                        s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
+                                          gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                                          is_async=True)
+                        _pass_turn(other_turn, PINGPONG)
+                        s = warpgroup_mma_wait(0, deps=[s])
+                        mbarrier.arrive(k_empty.index(stage), count=1)
+                        s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k,
+                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
+                                    window_right, (n0 < full_lo) | (n0 >= full_hi), HAS_LEFT, HAS_RIGHT,
+                                    HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2)
+                        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2)
+                        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                        mbarrier.wait(v_ready.index(stage), phase)
+                        acc = warpgroup_mma(p_op, v_smem.index(stage).reshape([BLOCK_N, BLOCK_DV]), acc,
+                                            is_async=True)
+                        acc = warpgroup_mma_wait(0, deps=[acc])
+                        mbarrier.arrive(v_empty.index(stage), count=1)
+                        it += 1
+                    mbarrier.arrive(q_empty.index(WG), count=1)
+            else:
+                # no visible key: nothing to compute, the query rows are free at once
+                mbarrier.arrive(q_empty.index(WG), count=1)
+            # epilogue: normalise once, rows that saw no key give out 0 and lse -inf
+            l_o = gl.convert_layout(l_i, o_row_layout)
+            seen = l_o > 0
+            l_safe = gl.where(seen, l_o, 1.0)
+            out = acc / l_safe[:, None]
+            m_o = gl.convert_layout(m_i, o_row_layout)
+            lse = gl.where(seen, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+            rows = row0 + gl.arange(0, 64, layout=o_row_layout)
+            gl.store(Lse + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + rows, lse,
+                     mask=rows < seqlen_q)
+            o_tile = o_smem.index(WG)
+            # the previous tile's store has read this buffer
+            tma.store_wait(0)
+            thread_barrier()
+            o_tile.reshape([64, BLOCK_DV]).store(out.to(dtype))
+            fence_async_shared()
+            thread_barrier()
+            tma_store(o_desc, [b, h, row0, 0], o_tile)
+            tiles_done += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer_first(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+        """The first consumer warpgroup (rows 0-63 of each tile)."""
+        _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, 0)
+
+    @gluon.jit
+    def _consumer_second(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+        """The second consumer warpgroup (rows 64-127 of each tile)."""
+        _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, 1)
+
+    @gluon.jit
+    def attention_fwd_gluon_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, Slopes,
+        stride_lse_b, stride_lse_h, stride_slopes_b,
+        nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads,
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+        SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr,
+                  PINGPONG: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+    ):
+        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows")
+        # shared memory: each consumer's query rows and output staging, the K/V ring
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+            mbarrier.init(v_empty.index(i), count=2)
+        bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
+        descs = (q_desc, k_desc, v_desc, o_desc)
+        smem = (q_smem, k_smem, v_smem, o_smem)
+        sizes = (nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads)
+        score_args = (score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right)
+        stats = (Lse, Slopes, stride_lse_b, stride_lse_h, stride_slopes_b)
+        # the default partition (num_warps = 4 warps) loads; the two consumers are workers of 4 warps each. Triton
+        # 3.6 gives the functions that a default partition calls no warp count, so a default partition cannot
+        # call helpers on distributed tensors (the consumers' softmax): the loads need none. The constexprs go in
+        # the partitions' argument lists themselves: put in a tuple first, they would reach the partitions as
+        # tensors
+        gl.warp_specialize([
+            (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT,
+              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+            (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT,
+              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+            (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT,
+              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+        ], [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])

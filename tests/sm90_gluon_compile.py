@@ -1,0 +1,163 @@
+"""Compile for sm_90 (Hopper), on a machine without a GPU, every variant of the Gluon forward that the tile table
+can pick, and report what came out.
+
+Gluon kernels do not run in Triton's interpreter, so CI checks them by compiling: the launcher (launch.forward_gluon)
+runs on CPU tensors with a recorder in place of the launch, each recorded launch is bound by Triton's binder for an
+sm_90 target and compiled by Gluon's front end and ptxas. Run in a subprocess by tests/test_gluon_compile.py, once
+with the Triton the H200 has (3.6.0, from a side directory on PYTHONPATH) and once with the installed one.
+
+    python tests/sm90_gluon_compile.py
+
+prints one JSON line per variant: its label, the constexprs that name it, whether the PTX has wgmma (and which
+wait depths), setmaxnreg, TMA copies, the registers and spill bytes ptxas reports, the shared memory, or the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from flashtile.triton import configs, launch as launchers
+from sm90_launches import SM90, problem_for, recorded_launches, resource_usage
+
+
+def table_problems():
+    """(label, problem) for the cells where the sm_90 table takes the Gluon forward, one per distinct variant, and
+    the options it serves that the table's cells do not exercise (dv != d, softcap, ALiBi, a left window edge)."""
+    cases = []
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        for headdim in (64, 128):
+            for seqlen in (1024, 16384):
+                for causal in (False, True):
+                    cases.append((f"{name} d{headdim} n{seqlen} causal {causal}",
+                                  problem_for(seqlen, seqlen, headdim, headdim, dtype, causal)))
+    cases += [
+        ("bf16 d128 dv64 causal", problem_for(4096, 4096, 128, 64, torch.bfloat16, True)),
+        ("bf16 d64 dv128", problem_for(4096, 4096, 64, 128, torch.bfloat16, False)),
+        ("bf16 d128 alibi causal", problem_for(4096, 4096, 128, 128, torch.bfloat16, True, alibi=True)),
+        ("bf16 d96 GQA", problem_for(4096, 4096, 96, 96, torch.bfloat16, False, nheads=8, nheads_k=2)),
+    ]
+    return cases
+
+
+def extra_tiles():
+    """Settings a user can force (forward_schedule=3 with other gluon_* values) beyond the table's own."""
+    return [("bf16 d128 causal pingpong", problem_for(4096, 4096, 128, 128, torch.bfloat16, True),
+             configs.GluonTile(pingpong=True)),
+            ("bf16 d128 softcap", dataclass_replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
+                                                    softcap=30.0), configs.GluonTile()),
+            ("bf16 d64 window (64, 32)", dataclass_replace(problem_for(4096, 4096, 64, 64, torch.bfloat16, False),
+                                                           window_left=64, window_right=32), configs.GluonTile())]
+
+
+def dataclass_replace(problem, **changes):
+    import dataclasses
+    return dataclasses.replace(problem, **changes)
+
+
+def recorded_gluon_launch(problem, tile):
+    """The launch forward_gluon makes for `problem` under `tile`, recorded on CPU tensors."""
+    p = problem
+    q = torch.zeros(p.batch, p.seqlen_q, p.nheads, p.headdim, dtype=p.dtype)
+    k = torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim, dtype=p.dtype)
+    v = torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim_v, dtype=p.dtype)
+    slopes = torch.ones(1, p.nheads) if p.has_alibi else None
+    saved = launchers._sm_count
+    launchers._sm_count = lambda device: 132  # an H200's SMs: the persistent grid's size
+    try:
+        with recorded_launches() as recorded:
+            launchers.forward_gluon(q, k, v, slopes, p, tile)
+    finally:
+        launchers._sm_count = saved
+    (launch,) = recorded
+    return launch
+
+
+def compile_gluon_for_sm90(recorded):
+    """Gluon's compiled kernel for this launch on sm_90, specialised as Triton's binder specialises it."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = recorded.kernel
+    backend = make_backend(SM90)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*recorded.arguments, **recorded.options)
+    options, signature, constexprs, attrs = fn._pack_args(backend, recorded.options, bound, specialization, options)
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)
+
+
+NAMED = ("BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2", "OVERLAP",
+         "PINGPONG", "CONSUMER_REGISTERS", "maxnreg")
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Spill stores and loads (bytes per thread) as the ptxas that Triton uses for sm_90 reports them (-v)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(90).path
+    except ImportError:  # triton 3.6: one ptxas
+        from triton import knobs
+        ptxas = knobs.nvidia.ptxas.path
+    with tempfile.TemporaryDirectory() as directory:
+        source = os.path.join(directory, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", source, "-o", os.path.join(directory, "kernel.o")],
+                             capture_output=True, text=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not spills:
+        return {"ptxas": log[-500:]}
+    return {"spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2))}
+
+
+def report(label, recorded) -> dict:
+    row = {"label": label, "triton": triton.__version__,
+           "constexprs": {name: recorded.options[name] for name in NAMED if name in recorded.options},
+           "widths": [recorded.arguments[0].block_shape[3], recorded.arguments[2].block_shape[3]],
+           "dtype": str(recorded.arguments[0].base.dtype)}
+    try:
+        compiled = compile_gluon_for_sm90(recorded)
+    except Exception as error:  # noqa: BLE001 - the report names any compiler failure
+        return dict(row, error=f"{type(error).__name__}: {str(error)[-1500:]}")
+    ptx = compiled.asm["ptx"]
+    return dict(row, **resource_usage(compiled.asm["cubin"]), shared=compiled.metadata.shared,
+                wgmma="wgmma.mma_async" in ptx, setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned"
+                                                                               r"\.u32\s+(\d+)", ptx))),
+                wait_depths=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
+                tma="cp.async.bulk.tensor" in ptx, **ptxas_report(ptx))
+
+
+def main() -> int:
+    failed = False
+    seen = set()
+    jobs = []
+    for label, problem in table_problems():
+        tiles = configs.default_tiles(problem, (9, 0))
+        if tiles.forward_schedule != 3:
+            print(json.dumps({"label": label, "table": "the Triton forward"}), flush=True)
+            continue
+        jobs.append((label, problem, tiles.gluon_tile))
+    jobs += extra_tiles()
+    for label, problem, tile in jobs:
+        recorded = recorded_gluon_launch(problem, tile)
+        key = (tuple(sorted(recorded.options.items())), recorded.arguments[0].base.dtype,
+               recorded.arguments[0].block_shape[3], recorded.arguments[2].block_shape[3])
+        if key in seen:
+            continue  # the same compiled variant as an earlier cell
+        seen.add(key)
+        row = report(label, recorded)
+        failed |= "error" in row
+        print(json.dumps(row), flush=True)
+    return int(failed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

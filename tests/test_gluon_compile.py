@@ -1,0 +1,80 @@
+"""The Gluon forward compiles for Hopper (sm_90), without a GPU, in every variant the tile table can pick: with the
+Triton the H200 has (3.6.0, installed into a side directory on first use) and with the installed Triton. Gluon does
+not run in Triton's interpreter, so this is CI's check of it: the PTX uses wgmma (with the overlap's wait depth 1),
+setmaxnreg hands the consumers 240 registers and the load warps 24, TMA moves the tiles, ptxas spills nothing, and
+the shared memory fits an H200."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashtile.triton.configs import SHARED_MEMORY_LIMIT
+
+GPU_TRITON = "3.6.0"  # the H200's Triton (gluon-on-hopper notes, BENCHMARKS.md)
+ROOT = Path(__file__).resolve().parents[1]
+SIDE = ROOT / "build" / f"triton-{GPU_TRITON}"
+
+
+def _side_triton() -> Path:
+    """A directory holding triton==GPU_TRITON alone, for PYTHONPATH (it shadows the installed Triton)."""
+    if not (SIDE / "triton" / "__init__.py").exists():
+        process = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                                  str(SIDE), f"triton=={GPU_TRITON}"], capture_output=True, text=True, timeout=600)
+        assert process.returncode == 0, f"pip could not install triton=={GPU_TRITON}:\n{process.stderr[-3000:]}"
+    return SIDE
+
+
+def _compile(tmp_path_factory, extra_path: str | None) -> list[dict]:
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("gluon-cache"))  # compile for real, not from a cache
+    paths = [p for p in (extra_path, str(ROOT / "src"), env.get("PYTHONPATH")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    process = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90_gluon_compile.py"))], env=env,
+                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
+    assert process.returncode == 0, f"compiling the Gluon forward failed:\n{process.stdout[-4000:]}\n" \
+                                    f"{process.stderr[-4000:]}"
+    return [json.loads(line) for line in process.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module", params=("gpu-triton", "installed-triton"))
+def compiled(request, tmp_path_factory):
+    side = str(_side_triton()) if request.param == "gpu-triton" else None
+    rows = _compile(tmp_path_factory, side)
+    if side:
+        assert {row.get("triton") for row in rows if "triton" in row} == {GPU_TRITON}
+    return rows
+
+
+def _variants(rows):
+    return [row for row in rows if "table" not in row]
+
+
+def test_every_variant_compiles_with_hopper_matmuls_and_copies(compiled):
+    variants = _variants(compiled)
+    assert len(variants) >= 12, [row["label"] for row in variants]
+    for row in variants:
+        assert "error" not in row, f"{row['label']}: {row.get('error')}"
+        assert row["wgmma"] and row["tma"], f"{row['label']}: wgmma {row['wgmma']}, TMA {row['tma']}"
+        overlap = row["constexprs"]["OVERLAP"]
+        assert row["wait_depths"] == ([0, 1] if overlap else [0]), f"{row['label']}: waits {row['wait_depths']}"
+
+
+def test_registers_move_to_the_consumers_and_nothing_spills(compiled):
+    for row in _variants(compiled):
+        assert ["inc", "240"] in row["setmaxnreg"] and ["dec", "24"] in row["setmaxnreg"], \
+            f"{row['label']}: setmaxnreg {row['setmaxnreg']}"
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, \
+            f"{row['label']}: {row['spill_stores']} / {row['spill_loads']} bytes of spill stores / loads"
+        assert row["shared"] <= SHARED_MEMORY_LIMIT, f"{row['label']}: {row['shared']} bytes of shared memory"
+
+
+def test_the_table_keeps_the_triton_forward_where_it_was_faster(compiled):
+    """d = 64 causal below 4k keys: the Triton forward measured faster (configs._gluon_forward)."""
+    kept = sorted(row["label"] for row in compiled if "table" in row)
+    assert kept == ["bf16 d64 n1024 causal True", "fp16 d64 n1024 causal True"]

@@ -1,0 +1,105 @@
+"""The Gluon forward (forward_schedule 3): where the sm_90 table takes it, why it turns a call away, what explain()
+says, and that a call it does not serve runs the Triton forward with the same result. Its numbers are checked on an
+H200 (benchmarks/gluon_forward.py, tests/test_gpu.py); CI compiles it (tests/test_gluon_compile.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.triton import configs
+
+from conftest import DEVICE, random_qkv
+from sm90_launches import problem_for
+
+HOPPER = (9, 0)
+
+
+@pytest.mark.parametrize("headdim", (64, 128))
+@pytest.mark.parametrize("seqlen", (1024, 4096, 16384))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_the_sm90_table_takes_the_gluon_forward_where_it_measured_faster(headdim, seqlen, causal):
+    tiles = configs.default_tiles(problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal), HOPPER)
+    triton_faster = headdim == 64 and causal and seqlen < 4096  # 309 against 283 TFLOP/s (configs._gluon_forward)
+    assert tiles.forward_schedule == (1 if triton_faster else 3)
+    # the Triton tile stays in the row for the calls the Gluon forward turns away
+    assert tiles.block_m >= 64 and tiles.block_n >= 64 and tiles.num_warps >= 4
+
+
+@pytest.mark.parametrize("change", [
+    dict(window_left=100, window_right=0),  # a left window edge: not measured
+    dict(varlen=True), dict(mask_kind="bool"), dict(dtype=torch.float32), dict(headdim=256, headdim_v=256),
+    dict(headdim=32, headdim_v=32)])
+def test_the_table_keeps_the_triton_forward_for_what_the_gluon_forward_does_not_take(change):
+    problem = dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False), **change)
+    assert configs.default_tiles(problem, HOPPER).forward_schedule != 3
+    assert configs.default_tiles(problem_for(4096, 4096, 128, 128, torch.bfloat16, False), (8, 0)).forward_schedule == 0
+
+
+def _on_a_hopper(monkeypatch):
+    """gluon_unserved_reason as on an H200: a CUDA problem, compute capability 9.0, the kernels compiled."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: HOPPER)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(), ""),
+    (dict(headdim=96, headdim_v=64), ""),  # pads to 128 / 64
+    (dict(dtype=torch.float32), "it takes fp16 / bf16, not torch.float32"),
+    (dict(mask_kind="additive"), "a additive attn_mask runs the Triton kernels"),
+    (dict(varlen=True), "packed (varlen) batches run the Triton kernels"),
+    (dict(kvcache=True), "KV-cache calls run the Triton kernels"),
+    (dict(headdim=256, headdim_v=256), "head dims 256 / 256 pad to widths 256 / 256, not 64 or 128"),
+    (dict(headdim=40, headdim_v=16), "head dims 40 / 16 pad to widths 64 / 16, not 64 or 128")])
+def test_the_gluon_forward_names_why_it_turns_a_call_away(monkeypatch, change, reason):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, True), device=torch.device("cuda"),
+                                  **change)
+    assert configs.gluon_unserved_reason(problem, configs.GluonTile()) == reason
+
+
+def test_the_gluon_forward_needs_hopper_and_fitting_shared_memory(monkeypatch):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, False), device=torch.device("cuda"))
+    assert configs.gluon_unserved_reason(problem, configs.GluonTile(num_stages=3)) == \
+        "3 stages need 263,168 bytes of shared memory, more than sm_90's 232,448"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert configs.gluon_unserved_reason(problem, configs.GluonTile()) == \
+        "it is written for sm_90 (Hopper), this GPU is sm_100"
+
+
+def test_explain_names_the_gluon_forward_and_its_settings(monkeypatch):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, True), device=torch.device("cuda"))
+    text = configs.default_tiles(problem, HOPPER).describe(problem)
+    assert text.startswith("forward (attention_fwd_gluon_kernel (Gluon, explicit warp roles")
+    assert ("BLOCK_M 128 (two consumer warpgroups of 64 rows) x BLOCK_N 128, 2 K/V stages, with intra-warpgroup "
+            "overlap, without pingpong, one CTA per tile, 240 registers per consumer thread") in text
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="on a CPU: the Gluon forward cannot run there, so it turns the "
+                                                 "call away (on an H200 tests/test_gpu.py runs it)")
+def test_a_call_it_turns_away_runs_the_triton_forward_and_explain_says_why(seed):
+    q, k, v = random_qkv(2, 100, 130, 4, 2, 64, 64, torch.float16)
+    with flashtile.use_backend("triton", forward_schedule=3, block_m=16, block_n=16):
+        text = flashtile.explain(q, k, v, causal=True)
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert ("forward: the Gluon forward does not serve this call (Gluon kernels do not run in Triton's CPU "
+            "interpreter), so forward (attention_fwd_tma_kernel") in text
+    with flashtile.use_backend("triton", forward_schedule=1, block_m=16, block_n=16):
+        expected = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("gluon_overlap", 2, "tile setting gluon_overlap must be 0 or 1, got 2"),
+    ("gluon_persistent", -1, "tile setting gluon_persistent must be 0 or 1, got -1"),
+    ("gluon_stages", 0, "tile setting gluon_stages must be a positive int, got 0"),
+    ("forward_schedule", 4, "tile setting forward_schedule must be one of [0, 1, 2, 3], got 4")])
+def test_gluon_settings_are_checked(setting, value, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        with flashtile.use_backend("triton", **{setting: value}):
+            pass
