@@ -4,6 +4,7 @@ times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's T
     python benchmarks/gluon_forward.py check          # every option against the oracle (the 2x eager rule)
     python benchmarks/gluon_forward.py time [CELLS]   # the 12-cell grid (or CELLS like d128n4096c1,d64n1024c0)
     python benchmarks/gluon_forward.py reruns N       # N reruns of a few shapes: no NaN, no changed bit
+    python benchmarks/gluon_forward.py small          # small cases of every setting, for compute-sanitizer
 
 Inputs are random from fixed seeds; times are triton.testing.do_bench medians in the FlashAttention benchmark
 convention (16,384 tokens per batch, model width 2048; forward FLOPs 4 B H N^2 d, halved for causal).
@@ -24,6 +25,7 @@ import triton.testing
 from flashtile._validate import AttentionProblem
 from flashtile.reference import flash_attn_reference
 from flashtile.triton import launch
+from flashtile.triton import configs
 from flashtile.triton.configs import default_tiles
 
 DEVICE = torch.device("cuda")
@@ -168,9 +170,10 @@ def timing(cells, tiles) -> None:
         row["fa2"] = flops / _bench(lambda: flash(qt, kt, vt, causal)) / 1e9
         row["triton"] = flops / _bench(lambda: launch.forward(q, k, v, None, None, problem, table)) / 1e9
         for tile in tiles:
-            key = f"s{tile.num_stages} o{int(tile.overlap)} p{int(tile.persistent)} pp{int(tile.pingpong)}"
-            if launch.gluon_shared_bytes(problem, tile) > launch.SHARED_MEMORY_LIMIT:
-                continue
+            key = (f"c{tile.consumers} s{tile.num_stages} o{int(tile.overlap)} p{int(tile.persistent)} "
+                   f"pp{int(tile.pingpong)}")
+            if configs.gluon_unserved_reason(problem, tile) or (tile.consumers == 3 and headdim > 64):
+                continue  # three consumers of 160 registers: a d <= 64 tile
             try:
                 row[key] = flops / _bench(lambda: gluon(q, k, v, tile=tile, causal=causal)) / 1e9
             except Exception as error:  # noqa: BLE001
@@ -199,6 +202,26 @@ def reruns(count: int) -> bool:
     return ok
 
 
+def small() -> bool:
+    """A few small cases in each setting of the Gluon forward (ragged ends, causal with masked rows, GQA, a window,
+    ALiBi), each checked against the oracle: short enough for compute-sanitizer's memcheck and racecheck."""
+    G = launch.GluonTile
+    tiles = [G(), G(overlap=False), G(pingpong=True), G(persistent=False), G(pingpong=True, persistent=False),
+             G(consumers=3)]
+    ok = True
+    for t, tile in enumerate(tiles):
+        for i, (shape, options) in enumerate([((1, 200, 150, 4, 2, 64, 64), dict(causal=True)),
+                                               ((1, 130, 257, 2, 2, 128, 128), dict()),
+                                               ((1, 100, 300, 2, 1, 128, 64), dict(window=(40, 20)))]):
+            if tile.consumers == 3 and max(shape[5:]) > 64:
+                continue  # three consumers: a d <= 64 tile
+            q, k, v = _inputs(*shape, torch.bfloat16, seed=10 * t + i)
+            ok &= check_case(f"small {tile} {shape} {options}", q, k, v, tile=tile, **options)
+        q, k, v = _inputs(1, 90, 90, 2, 2, 64, 64, torch.float16, seed=100 + t)
+        ok &= check_case(f"small {tile} alibi", q, k, v, torch.rand(2, device=DEVICE), tile=tile, causal=True)
+    return ok
+
+
 def _cells(text):
     if not text:
         return [(d, n, c) for d in (64, 128) for n in (1024, 4096, 16384) for c in (False, True)]
@@ -220,7 +243,11 @@ if __name__ == "__main__":
         G = launch.GluonTile
         variants = [G(overlap=False, persistent=False, pingpong=False), G(overlap=False, persistent=False),
                     G(persistent=False, pingpong=False), G(persistent=False), G(pingpong=False), G(),
-                    G(num_stages=3, pingpong=False), G(num_stages=3, persistent=False, pingpong=False)]
+                    G(num_stages=3, pingpong=False), G(num_stages=3, persistent=False, pingpong=False),
+                    G(consumers=3), G(consumers=3, num_stages=3), G(consumers=3, persistent=False),
+                    G(consumers=3, overlap=False, persistent=False)]
         timing(_cells(sys.argv[2] if len(sys.argv) > 2 else ""), variants)
+    if mode == "small":
+        sys.exit(0 if small() else 1)
     if mode == "reruns":
         sys.exit(0 if reruns(int(sys.argv[2])) else 1)

@@ -6,11 +6,13 @@
 #   bash benchmarks/gpu_checks.sh suite        # the GPU test suite (-n 14)
 #   bash benchmarks/gpu_checks.sh memcheck     # compute-sanitizer memcheck over padded head dims, ALiBi, causal,
 #                                              # packed q/k/v views and packed sequences, then the decode tests
+#   bash benchmarks/gpu_checks.sh gluon        # compute-sanitizer memcheck and racecheck over small cases of the Gluon
+#                                              # forward in each of its settings (gluon_forward.py small)
 #   bash benchmarks/gpu_checks.sh timing OLD   # kernel times at a few cells, the tree at OLD against this one,
 #                                              # interleaved twice
 # Output goes to $OUT (the device tool's output folder), or ./out when OUT is unset.
 set -u
-stage=${1:?stage: crashes, suite, memcheck or timing}
+stage=${1:?stage: crashes, suite, memcheck, gluon or timing}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -39,6 +41,13 @@ case $stage in
       python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "kvcache_decode_realistic or 65535" \
       > "$out/memcheck-tests.txt" 2>&1
     echo "memcheck tests exit $?"; tail -3 "$out/memcheck-tests.txt" ;;
+  gluon)
+    export PYTHONPATH=$here/src TRITON_CACHE_DIR=$here/.triton-cache
+    for tool in memcheck racecheck; do
+      timeout 280 compute-sanitizer --tool $tool --error-exitcode 1 python benchmarks/gluon_forward.py small \
+        > "$out/gluon-$tool.txt" 2>&1
+      echo "$tool exit $?"; grep -E ": |ERROR SUMMARY|RACECHECK SUMMARY" "$out/gluon-$tool.txt" | tail -12
+    done ;;
   timing)
     old=${2:?the old tree folder, holding src}
     for round in 1 2; do

@@ -19,9 +19,11 @@
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward and the table's TMA forward + backward
 #                                             # rerun beside the GPU suite, counting runs that differ bitwise from the
 #                                             # first (ws_determinism.py --stress)
+#   bash benchmarks/h200_runbook.sh gluonstress  # the Gluon forward rerun beside the GPU suite, two processes without
+#                                             # and two with a causal band (ws_determinism.py --stress --target gluon)
 # Robustness checks of their own (one-query / one-key shapes, memcheck of padded head dims): benchmarks/gpu_checks.sh.
 set -u
-stage=${1:?stage: tests, grid128, grid64, decode, host or wsstress}
+stage=${1:?stage: tests, grid128, grid64, decode, host, wsstress or gluonstress}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -74,6 +76,15 @@ case $stage in
     for i in 1 2; do timeout 330 python benchmarks/ws_determinism.py --stress 300 --target table-tma \
       > "$out/stress-tma$i.txt" 2>&1 & done
     for i in 1 2; do timeout 330 python benchmarks/ws_determinism.py --stress 300 > "$out/stress$i.txt" 2>&1 & done
+    wait
+    tail -2 "$out/tests.txt"; grep -h "stress:\|differs" "$out"/stress*.txt ;;
+  gluonstress)
+    FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \
+      --ignore=tests/test_triton_compile.py --ignore=tests/test_gluon_compile.py > "$out/tests.txt" 2>&1 &
+    for target in gluon gluon-causal; do
+      for i in 1 2; do timeout 330 python benchmarks/ws_determinism.py --stress 300 --target $target \
+        > "$out/stress-$target$i.txt" 2>&1 & done
+    done
     wait
     tail -2 "$out/tests.txt"; grep -h "stress:\|differs" "$out"/stress*.txt ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -41,22 +41,25 @@ SHAPES = [  # batch, seqlen, nheads, nheads_k, headdim, causal
 WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_stages=2)  # the fastest measured
 
 
-# what --stress reruns: the warp-specialized forward at its fastest tiles, or, as a control for its race, the
-# table's TMA schedules at d = 128 and 4k keys (forward schedule 1, backward schedule 3, host-side descriptors)
-STRESS_TARGETS = {"ws": (WS_TILES, False), "table-tma": ({}, True)}
+# what --stress reruns (tiles forced, with the backward, causal): the warp-specialized forward at its fastest tiles;
+# as a control for its race, the table's TMA schedules at d = 128 and 4k keys (forward schedule 1, backward schedule
+# 3, host-side descriptors); the Gluon forward (schedule 3) at the table's settings, without and with a causal band
+STRESS_TARGETS = {"ws": (WS_TILES, False, False), "table-tma": ({"forward_schedule": 1}, True, False),
+                  "gluon": ({"forward_schedule": 3}, False, False),
+                  "gluon-causal": ({"forward_schedule": 3}, False, True)}
 
 
 def stress(seconds: float, target: str = "ws") -> None:
     """Rerun `target` for `seconds`: the warp-specialized forward (128 x 128 tiles, no element mask), or the
     table's forward + backward at 4k keys (TMA forward and backward); report the runs whose out or lse (and
     gradients) differ bitwise from the first, and by how much."""
-    tiles, backward = STRESS_TARGETS[target]
+    tiles, backward, causal = STRESS_TARGETS[target]
     device = torch.device("cuda")
     torch.manual_seed(0)
     shapes = ((2, 2048, 16, 4), (4, 1024, 16, 16)) if not backward else ((1, 4096, 16, 4), (2, 4096, 8, 8))
 
     def call(q, k, v):
-        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True)
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, causal=causal)
         if not backward:
             return out, lse
         return (out, lse, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
@@ -67,27 +70,29 @@ def stress(seconds: float, target: str = "ws") -> None:
                                requires_grad=backward) for heads in (nheads, nheads_k, nheads_k))
         with flashtile.use_backend("triton", **tiles):
             cases.append(((q, k, v), call(q, k, v)))
-    runs = differing = 0
+    runs = differing = with_nan = 0
     end = time.monotonic() + seconds
     with flashtile.use_backend("triton", **tiles):
         while time.monotonic() < end:
             for inputs, first in cases:
                 got = call(*inputs)
                 runs += 1
+                with_nan += any(bool(t.isnan().any()) for t in got)
                 if not all(torch.equal(a, b) for a, b in zip(got, first)):
                     differing += 1
                     gaps = ", ".join(f"{name} {(a.float() - b.float()).abs().max():.3e}"
                                      for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, first))
                     print(f"run {runs} differs: max |x - first|: {gaps}", flush=True)
     print(f"stress: {runs} runs of {target} {tiles or 'the table'}{' with backward' if backward else ''}, "
-          f"{differing} differ bitwise from the first", flush=True)
+          f"{differing} differ bitwise from the first, {with_nan} hold NaN", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stress", type=float, default=0.0, help="seconds of reruns (see --target)")
     parser.add_argument("--target", default="ws", choices=sorted(STRESS_TARGETS),
-                        help="ws: the warp-specialized forward; table-tma: the table's TMA forward + backward")
+                        help="ws: the warp-specialized forward; table-tma: the table's TMA forward + backward; gluon, "
+                             "gluon-causal: the Gluon forward")
     args = parser.parse_args()
     if args.stress > 0:
         stress(args.stress, args.target)

@@ -53,6 +53,10 @@ def extra_tiles():
     """Settings a user can force (forward_schedule=3 with other gluon_* values) beyond the table's own."""
     return [("bf16 d128 causal pingpong", problem_for(4096, 4096, 128, 128, torch.bfloat16, True),
              configs.GluonTile(pingpong=True)),
+            ("bf16 d64 three consumers", problem_for(4096, 4096, 64, 64, torch.bfloat16, False),
+             configs.GluonTile(consumers=3, num_stages=3)),
+            ("fp16 d64 causal three consumers", problem_for(4096, 4096, 64, 64, torch.float16, True),
+             configs.GluonTile(consumers=3, overlap=False, persistent=False)),
             ("bf16 d128 softcap", dataclass_replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
                                                     softcap=30.0), configs.GluonTile()),
             ("bf16 d64 window (64, 32)", dataclass_replace(problem_for(4096, 4096, 64, 64, torch.bfloat16, False),

@@ -71,12 +71,22 @@ def test_the_gluon_forward_needs_hopper_and_fitting_shared_memory(monkeypatch):
         "it is written for sm_90 (Hopper), this GPU is sm_100"
 
 
+def test_three_consumers_take_192_rows_and_no_pingpong(monkeypatch):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, 64, 64, torch.bfloat16, False), device=torch.device("cuda"))
+    three = configs.GluonTile(consumers=3)
+    assert (three.block_m, three.consumer_registers, three.max_registers) == (192, 160, 128)
+    assert configs.gluon_unserved_reason(problem, three) == ""
+    assert configs.gluon_unserved_reason(problem, configs.GluonTile(consumers=3, pingpong=True)) == \
+        "3 consumer warpgroups in pingpong: it takes two or three, pingpong two"
+
+
 def test_explain_names_the_gluon_forward_and_its_settings(monkeypatch):
     _on_a_hopper(monkeypatch)
     problem = dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, True), device=torch.device("cuda"))
     text = configs.default_tiles(problem, HOPPER).describe(problem)
     assert text.startswith("forward (attention_fwd_gluon_kernel (Gluon, explicit warp roles")
-    assert ("BLOCK_M 128 (two consumer warpgroups of 64 rows) x BLOCK_N 128, 2 K/V stages, with intra-warpgroup "
+    assert ("BLOCK_M 128 (2 consumer warpgroups of 64 rows) x BLOCK_N 128, 2 K/V stages, with intra-warpgroup "
             "overlap, without pingpong, one CTA per tile, 240 registers per consumer thread") in text
 
 
@@ -98,6 +108,7 @@ def test_a_call_it_turns_away_runs_the_triton_forward_and_explain_says_why(seed)
     ("gluon_overlap", 2, "tile setting gluon_overlap must be 0 or 1, got 2"),
     ("gluon_persistent", -1, "tile setting gluon_persistent must be 0 or 1, got -1"),
     ("gluon_stages", 0, "tile setting gluon_stages must be a positive int, got 0"),
+    ("gluon_consumers", 4, "tile setting gluon_consumers must be 2 or 3, got 4"),
     ("forward_schedule", 4, "tile setting forward_schedule must be one of [0, 1, 2, 3], got 4")])
 def test_gluon_settings_are_checked(setting, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -57,7 +57,9 @@ def test_triton_realistic_shapes(case, dtype, seed):
 # GQA 8:1, dv != d, a padded head dim, windows, softcap and ALiBi (forward only: the backward is the Triton one)
 GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0), "pingpong": dict(gluon_pingpong=1),
                   "one-cta-per-tile": dict(gluon_persistent=0), "overlap-pingpong-one-cta": dict(
-                      gluon_pingpong=1, gluon_persistent=0), "three-stages": dict(gluon_stages=3)}
+                      gluon_pingpong=1, gluon_persistent=0), "three-stages": dict(gluon_stages=3),
+                  "three-consumers": dict(gluon_consumers=3), "three-consumers-one-cta-per-tile": dict(
+                      gluon_consumers=3, gluon_overlap=0, gluon_persistent=0)}
 GLUON_CASES = {
     "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
     "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
@@ -70,12 +72,15 @@ GLUON_CASES = {
 }
 
 
-@pytest.mark.parametrize("settings", GLUON_SETTINGS.values(), ids=GLUON_SETTINGS.keys())
-@pytest.mark.parametrize("case", GLUON_CASES.values(), ids=GLUON_CASES.keys())
+# three consumer warpgroups (160 registers each) are a d <= 64 tile; three stages fit shared memory at widths of 64
+GLUON_PARAMS = [pytest.param(case, settings, id=f"{case_id}-{settings_id}")
+                for case_id, case in GLUON_CASES.items() for settings_id, settings in GLUON_SETTINGS.items()
+                if max(case[0][5:]) <= 64 or not ({"gluon_consumers", "gluon_stages"} & settings.keys())]
+
+
+@pytest.mark.parametrize("case, settings", GLUON_PARAMS)
 def test_gluon_forward_follows_the_oracle_and_repeats_its_bits(case, settings, seed):
     shape, options = case
-    if settings.get("gluon_stages") == 3 and max(shape[5:]) > 64:
-        settings = dict(settings, gluon_stages=2)  # three stages fit shared memory at widths of 64 only
     kwargs = dict(options)
     if kwargs.pop("alibi", False):
         kwargs["alibi_slopes"] = torch.rand(shape[3], device=DEVICE) * 0.1

@@ -161,6 +161,10 @@ class TritonBackend:
             if value not in (0, 1):
                 raise ValueError(f"tile setting {key} must be 0 or 1, got {value}")
             return
+        if key == "gluon_consumers":
+            if value not in (2, 3):
+                raise ValueError(f"tile setting gluon_consumers must be 2 or 3, got {value}")
+            return
         if key in triton_configs.ZERO_MEANS_DEFAULT and value == 0:
             return  # 0: the dQ kernel takes the dK/dV tile transposed (TritonTiles.dq_tile); no register cap
         if key.startswith(("block", "bwd_block", "dq_block")) and (value < 16 or value & (value - 1)):

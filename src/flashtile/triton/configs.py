@@ -19,20 +19,33 @@ from .._validate import AttentionProblem
 
 @dataclass(frozen=True)
 class GluonTile:
-    """One launch configuration of the Gluon forward (fwd_gluon.py). Its tile is 128 query rows (two consumer
-    warpgroups of 64) against blocks of block_n keys."""
+    """One launch configuration of the Gluon forward (fwd_gluon.py). Its tile is 64 query rows per consumer
+    warpgroup (two or three) against blocks of block_n keys."""
 
     block_n: int = 128
     num_stages: int = 2  # K and V blocks in flight (the ring's stages)
     overlap: bool = True  # within each consumer, Q Kᵀ of block j + 1 issued before P V of block j
-    pingpong: bool = False  # the two consumers take turns issuing their matmuls
+    pingpong: bool = False  # the two consumers take turns issuing their matmuls (two consumers only)
     persistent: bool = True  # one CTA per SM looping over tiles; False: one CTA per tile
-    consumer_registers: int = 240  # setmaxnreg of each consumer warpgroup
-    max_registers: int = 168  # the launch's cap per thread: 3 warpgroups x 128 threads x 168 fit 64K registers
-    block_m = 128
+    consumers: int = 2  # consumer warpgroups; three (192 query rows) is FlashAttention-3's tile at d = 64
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def consumer_registers(self) -> int:
+        """setmaxnreg of each consumer warpgroup: with the load warpgroup's 24 (two consumers) or 32 (three), the
+        warpgroups fill the 64K registers of an SM."""
+        return 240 if self.consumers == 2 else 160
+
+    @property
+    def max_registers(self) -> int:
+        """The launch's cap per thread: (1 + consumers) warpgroups x 128 threads x the cap fit 64K registers."""
+        return 168 if self.consumers == 2 else 128
 
     def describe(self) -> str:
-        return (f"BLOCK_M {self.block_m} (two consumer warpgroups of 64 rows) x BLOCK_N {self.block_n}, "
+        return (f"BLOCK_M {self.block_m} ({self.consumers} consumer warpgroups of 64 rows) x BLOCK_N {self.block_n}, "
                 f"{self.num_stages} K/V stages, {'with' if self.overlap else 'without'} intra-warpgroup overlap, "
                 f"{'with' if self.pingpong else 'without'} pingpong, "
                 f"{'a persistent grid' if self.persistent else 'one CTA per tile'}, "
@@ -48,7 +61,7 @@ def _padded_width(dim: int) -> int:
 
 
 def gluon_shared_bytes(problem: AttentionProblem, tile: GluonTile) -> int:
-    """Shared memory of the Gluon forward: both consumers' query rows and output staging, the K/V ring, barriers."""
+    """Shared memory of the Gluon forward: the consumers' query rows and output staging, the K/V ring, barriers."""
     d, dv = _padded_width(problem.headdim), _padded_width(problem.headdim_v)
     return 2 * (tile.block_m * (d + dv) + tile.num_stages * tile.block_n * (d + dv)) + 1024
 
@@ -77,6 +90,9 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     widths = _padded_width(p.headdim), _padded_width(p.headdim_v)
     if not all(w in GLUON_WIDTHS for w in widths):
         return f"head dims {p.headdim} / {p.headdim_v} pad to widths {widths[0]} / {widths[1]}, not 64 or 128"
+    if tile.consumers not in (2, 3) or (tile.pingpong and tile.consumers != 2):
+        pingpong = " in pingpong" if tile.pingpong else ""
+        return f"{tile.consumers} consumer warpgroups{pingpong}: it takes two or three, pingpong two"
     if gluon_shared_bytes(p, tile) > SHARED_MEMORY_LIMIT:
         return (f"{tile.num_stages} stages need {gluon_shared_bytes(p, tile):,} bytes of shared memory, more than "
                 f"sm_90's {SHARED_MEMORY_LIMIT:,}")
@@ -125,6 +141,7 @@ class TritonTiles:
     gluon_overlap: int = 1
     gluon_pingpong: int = 0
     gluon_persistent: int = 1
+    gluon_consumers: int = 2  # consumer warpgroups of 64 query rows: 2 or 3
 
     @property
     def dq_tile(self) -> tuple[int, int, int]:
@@ -136,7 +153,8 @@ class TritonTiles:
     def gluon_tile(self) -> GluonTile:
         """The Gluon forward's launch configuration."""
         return GluonTile(num_stages=self.gluon_stages, overlap=bool(self.gluon_overlap),
-                         pingpong=bool(self.gluon_pingpong), persistent=bool(self.gluon_persistent))
+                         pingpong=bool(self.gluon_pingpong), persistent=bool(self.gluon_persistent),
+                         consumers=self.gluon_consumers)
 
     @property
     def backward_one_launch(self) -> bool:

@@ -122,7 +122,7 @@ if AVAILABLE:
             lo, full_lo, full_hi, hi = _key_range(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             q_phase = tiles_done & 1
-            for w in gl.static_range(2):
+            for w in gl.static_range(BLOCK_M // 64):
                 # the consumer frees its query rows once its last score matmul of the previous tile is done
                 mbarrier.wait(q_empty.index(w), q_phase ^ 1)
                 mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
@@ -203,7 +203,7 @@ if AVAILABLE:
                   NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
-        """Consumer warpgroup WG (0 or 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
+        """Consumer warpgroup WG (0 .. BLOCK_M / 64 - 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
@@ -369,6 +369,15 @@ if AVAILABLE:
                   HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, 1)
 
     @gluon.jit
+    def _consumer_third(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+        """The second consumer warpgroup (rows 128-191 of each tile, with three)."""
+        _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, 2)
+
+    @gluon.jit
     def attention_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, o_desc, Lse, Slopes,
         stride_lse_b, stride_lse_h, stride_slopes_b,
@@ -376,31 +385,34 @@ if AVAILABLE:
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-        SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr,
-                  PINGPONG: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+        SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
     ):
-        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows")
+        CONSUMERS: gl.constexpr = BLOCK_M // 64
+        gl.static_assert(CONSUMERS * 64 == BLOCK_M and (CONSUMERS == 2 or CONSUMERS == 3),
+                         "two or three consumer warpgroups of 64 query rows")
+        gl.static_assert(not PINGPONG or CONSUMERS == 2, "pingpong takes turns between two consumers")
         # shared memory: each consumer's query rows and output staging, the K/V ring
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(CONSUMERS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
+        for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
         bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
         descs = (q_desc, k_desc, v_desc, o_desc)
         smem = (q_smem, k_smem, v_smem, o_smem)
@@ -412,11 +424,23 @@ if AVAILABLE:
         # call helpers on distributed tensors (the consumers' softmax): the loads need none. The constexprs go in
         # the partitions' argument lists themselves: put in a tuple first, they would reach the partitions as
         # tensors
-        gl.warp_specialize([
-            (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT,
-              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
-            (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT,
-              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
-            (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT,
-              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
-        ], [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+            ], [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
+        else:
+            gl.warp_specialize([
+                (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                (_consumer_third, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+            ], [4, 4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, CONSUMER_REGISTERS])
