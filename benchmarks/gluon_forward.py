@@ -170,8 +170,8 @@ def timing(cells, tiles) -> None:
         row["fa2"] = flops / _bench(lambda: flash(qt, kt, vt, causal)) / 1e9
         row["triton"] = flops / _bench(lambda: launch.forward(q, k, v, None, None, problem, table)) / 1e9
         for tile in tiles:
-            key = (f"c{tile.consumers} s{tile.num_stages} o{int(tile.overlap)} p{int(tile.persistent)} "
-                   f"pp{int(tile.pingpong)}")
+            key = (f"c{tile.consumers} s{tile.num_stages} o{int(tile.overlap)} "
+                   f"p{int(tile.persistent) + int(tile.persistent and tile.balanced)} pp{int(tile.pingpong)}")
             if configs.gluon_unserved_reason(problem, tile) or (tile.consumers == 3 and headdim > 64):
                 continue  # three consumers of 160 registers: a d <= 64 tile
             try:
@@ -207,7 +207,7 @@ def small() -> bool:
     ALiBi), each checked against the oracle: short enough for compute-sanitizer's memcheck and racecheck."""
     G = launch.GluonTile
     tiles = [G(), G(overlap=False), G(pingpong=True), G(persistent=False), G(pingpong=True, persistent=False),
-             G(consumers=3)]
+             G(consumers=3), G(balanced=True)]
     ok = True
     for t, tile in enumerate(tiles):
         for i, (shape, options) in enumerate([((1, 200, 150, 4, 2, 64, 64), dict(causal=True)),
@@ -245,7 +245,8 @@ if __name__ == "__main__":
                     G(persistent=False, pingpong=False), G(persistent=False), G(pingpong=False), G(),
                     G(num_stages=3, pingpong=False), G(num_stages=3, persistent=False, pingpong=False),
                     G(consumers=3), G(consumers=3, num_stages=3), G(consumers=3, persistent=False),
-                    G(consumers=3, overlap=False, persistent=False)]
+                    G(consumers=3, overlap=False, persistent=False), G(balanced=True), G(balanced=True, overlap=False),
+                    G(consumers=3, balanced=True)]
         timing(_cells(sys.argv[2] if len(sys.argv) > 2 else ""), variants)
     if mode == "small":
         sys.exit(0 if small() else 1)

@@ -57,6 +57,8 @@ def extra_tiles():
              configs.GluonTile(consumers=3, num_stages=3)),
             ("fp16 d64 causal three consumers", problem_for(4096, 4096, 64, 64, torch.float16, True),
              configs.GluonTile(consumers=3, overlap=False, persistent=False)),
+            ("bf16 d128 causal dealt tiles", problem_for(4096, 4096, 128, 128, torch.bfloat16, True),
+             configs.GluonTile(balanced=True)),
             ("bf16 d128 softcap", dataclass_replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
                                                     softcap=30.0), configs.GluonTile()),
             ("bf16 d64 window (64, 32)", dataclass_replace(problem_for(4096, 4096, 64, 64, torch.bfloat16, False),
@@ -98,8 +100,8 @@ def compile_gluon_for_sm90(recorded):
     return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)
 
 
-NAMED = ("BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2", "OVERLAP",
-         "PINGPONG", "CONSUMER_REGISTERS", "maxnreg")
+NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
+         "OVERLAP", "PINGPONG", "TILE_LIST", "CONSUMER_REGISTERS", "maxnreg")
 
 
 def ptxas_report(ptx: str) -> dict:

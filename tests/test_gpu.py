@@ -59,7 +59,8 @@ GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0), "pingpong": 
                   "one-cta-per-tile": dict(gluon_persistent=0), "overlap-pingpong-one-cta": dict(
                       gluon_pingpong=1, gluon_persistent=0), "three-stages": dict(gluon_stages=3),
                   "three-consumers": dict(gluon_consumers=3), "three-consumers-one-cta-per-tile": dict(
-                      gluon_consumers=3, gluon_overlap=0, gluon_persistent=0)}
+                      gluon_consumers=3, gluon_overlap=0, gluon_persistent=0),
+                  "dealt-tiles": dict(gluon_persistent=1, gluon_balanced=1)}
 GLUON_CASES = {
     "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
     "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),

@@ -27,6 +27,7 @@ class GluonTile:
     overlap: bool = True  # within each consumer, Q Kᵀ of block j + 1 issued before P V of block j
     pingpong: bool = False  # the two consumers take turns issuing their matmuls (two consumers only)
     persistent: bool = True  # one CTA per SM looping over tiles; False: one CTA per tile
+    balanced: bool = False  # persistent: tiles dealt by the launcher to the least loaded CTA, not in snake order
     consumers: int = 2  # consumer warpgroups; three (192 query rows) is FlashAttention-3's tile at d = 64
 
     @property
@@ -44,11 +45,17 @@ class GluonTile:
         """The launch's cap per thread: (1 + consumers) warpgroups x 128 threads x the cap fit 64K registers."""
         return 168 if self.consumers == 2 else 128
 
+    def _grid(self) -> str:
+        if not self.persistent:
+            return "one CTA per tile"
+        return "a persistent grid, " + ("tiles dealt to the least loaded CTA" if self.balanced else
+                                        "tiles dealt in snake order")
+
     def describe(self) -> str:
         return (f"BLOCK_M {self.block_m} ({self.consumers} consumer warpgroups of 64 rows) x BLOCK_N {self.block_n}, "
                 f"{self.num_stages} K/V stages, {'with' if self.overlap else 'without'} intra-warpgroup overlap, "
                 f"{'with' if self.pingpong else 'without'} pingpong, "
-                f"{'a persistent grid' if self.persistent else 'one CTA per tile'}, "
+                f"{self._grid()}, "
                 f"{self.consumer_registers} registers per consumer thread")
 
 
@@ -142,6 +149,7 @@ class TritonTiles:
     gluon_pingpong: int = 0
     gluon_persistent: int = 1
     gluon_consumers: int = 2  # consumer warpgroups of 64 query rows: 2 or 3
+    gluon_balanced: int = 0  # persistent grid: the launcher deals the tiles (longest first, least loaded CTA)
 
     @property
     def dq_tile(self) -> tuple[int, int, int]:
@@ -154,7 +162,7 @@ class TritonTiles:
         """The Gluon forward's launch configuration."""
         return GluonTile(num_stages=self.gluon_stages, overlap=bool(self.gluon_overlap),
                          pingpong=bool(self.gluon_pingpong), persistent=bool(self.gluon_persistent),
-                         consumers=self.gluon_consumers)
+                         consumers=self.gluon_consumers, balanced=bool(self.gluon_balanced))
 
     @property
     def backward_one_launch(self) -> bool:
@@ -213,7 +221,8 @@ DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV til
 DQ_KEYS = DQ_TILE_KEYS + ("dq_max_registers",)  # what only the two-launch schedules' dQ kernel has
 FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_schedule")  # forced: no table cap
 ZERO_MEANS_DEFAULT = DQ_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
-FLAG_KEYS = ("forward_separate_ragged_end", "gluon_overlap", "gluon_pingpong", "gluon_persistent")  # 0 or 1
+FLAG_KEYS = ("forward_separate_ragged_end", "gluon_overlap", "gluon_pingpong", "gluon_persistent",
+             "gluon_balanced")  # tile settings that are 0 or 1
 
 # Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and dQ grids,
 # keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch, for every short sequence,

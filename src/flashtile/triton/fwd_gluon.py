@@ -43,21 +43,34 @@ attention_fwd_gluon_kernel = None  # without Gluon (configs.gluon_unserved_reaso
 if AVAILABLE:
 
     @gluon.jit
-    def _tiles_of_this_cta(num_tiles):
-        """How many tiles this CTA takes: one per wave of gl.num_programs(0) tiles (see _tile_number)."""
-        programs = gl.num_programs(0)
-        waves = num_tiles // programs
-        last = gl.where(waves % 2 == 0, gl.program_id(0), programs - 1 - gl.program_id(0))
-        return waves + (last < num_tiles % programs).to(gl.int32)
+    def _tiles_of_this_cta(num_tiles, TileStarts, TILE_LIST: gl.constexpr):
+        """(first entry, count) of this CTA's tiles. With TILE_LIST, a list the launcher dealt (TileList from
+        TileStarts[pid] to TileStarts[pid + 1], longest first onto the least loaded CTA); otherwise one tile per
+        wave of gl.num_programs(0) tiles (see _tile_number)."""
+        pid = gl.program_id(0)
+        if TILE_LIST:
+            first = gl.load(TileStarts + pid)
+            count = gl.load(TileStarts + pid + 1) - first
+        else:
+            programs = gl.num_programs(0)
+            waves = num_tiles // programs
+            last = gl.where(waves % 2 == 0, pid, programs - 1 - pid)
+            first = 0
+            count = waves + (last < num_tiles % programs).to(gl.int32)
+        return first, count
 
     @gluon.jit
-    def _tile_number(wave):
-        """The tile this CTA takes in `wave`: waves of gl.num_programs(0) consecutive tiles, dealt to the CTAs in
-        alternating directions (snake order), so that a CTA given a long tile in one wave gets a short one in the
-        next when the order is longest first."""
-        programs = gl.num_programs(0)
-        pid = gl.program_id(0)
-        return wave * programs + gl.where(wave % 2 == 0, pid, programs - 1 - pid)
+    def _tile_number(wave, first, TileList, TILE_LIST: gl.constexpr):
+        """The tile this CTA takes in its `wave`-th turn: the launcher's list, or waves of gl.num_programs(0)
+        consecutive tiles dealt to the CTAs in alternating directions (snake order), so that a CTA given a long tile
+        in one wave gets a short one in the next when the order is longest first."""
+        if TILE_LIST:
+            tile = gl.load(TileList + first + wave)
+        else:
+            programs = gl.num_programs(0)
+            pid = gl.program_id(0)
+            tile = wave * programs + gl.where(wave % 2 == 0, pid, programs - 1 - pid)
+        return tile
 
     @gluon.jit
     def _tile_coordinates(tile, query_blocks, batch_heads, group_heads, LONGEST_FIRST: gl.constexpr):
@@ -102,18 +115,21 @@ if AVAILABLE:
     def _producer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  TILE_LIST: gl.constexpr):
         """The load warp: per tile, both consumers' query rows, then every visible K and V block into the ring."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads = sizes
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
-        Lse, Slopes, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
         it = 0
         tiles_done = 0
-        for wave in range(_tiles_of_this_cta(num_tiles)):
-            m_block, bh = _tile_coordinates(_tile_number(wave), query_blocks, num_tiles // query_blocks, group_heads,
+        first, count = _tiles_of_this_cta(num_tiles, TileStarts, TILE_LIST)
+        for wave in range(count):
+            m_block, bh = _tile_coordinates(_tile_number(wave, first, TileList, TILE_LIST), query_blocks,
+                                            num_tiles // query_blocks, group_heads,
                                             HAS_RIGHT)
             b = bh // nheads
             h = bh % nheads
@@ -202,14 +218,15 @@ if AVAILABLE:
     def _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  TILE_LIST: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup WG (0 .. BLOCK_M / 64 - 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads = sizes
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
-        Lse, Slopes, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_DV: gl.constexpr = v_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
@@ -227,8 +244,10 @@ if AVAILABLE:
         it = 0
         turns = 0
         tiles_done = 0
-        for wave in range(_tiles_of_this_cta(num_tiles)):
-            m_block, bh = _tile_coordinates(_tile_number(wave), query_blocks, num_tiles // query_blocks, group_heads,
+        first, count = _tiles_of_this_cta(num_tiles, TileStarts, TILE_LIST)
+        for wave in range(count):
+            m_block, bh = _tile_coordinates(_tile_number(wave, first, TileList, TILE_LIST), query_blocks,
+                                            num_tiles // query_blocks, group_heads,
                                             HAS_RIGHT)
             b = bh // nheads
             h = bh % nheads
@@ -354,38 +373,42 @@ if AVAILABLE:
     def _consumer_first(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  TILE_LIST: gl.constexpr):
         """The first consumer warpgroup (rows 0-63 of each tile)."""
         _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, 0)
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, 0)
 
     @gluon.jit
     def _consumer_second(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  TILE_LIST: gl.constexpr):
         """The second consumer warpgroup (rows 64-127 of each tile)."""
         _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, 1)
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, 1)
 
     @gluon.jit
     def _consumer_third(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  TILE_LIST: gl.constexpr):
         """The second consumer warpgroup (rows 128-191 of each tile, with three)."""
         _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, 2)
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, 2)
 
     @gluon.jit
     def attention_fwd_gluon_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, Slopes,
+        q_desc, k_desc, v_desc, o_desc, Lse, Slopes, TileList, TileStarts,
         stride_lse_b, stride_lse_h, stride_slopes_b,
         nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads,
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-        SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+        SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr,
+        CONSUMER_REGISTERS: gl.constexpr,
     ):
         CONSUMERS: gl.constexpr = BLOCK_M // 64
         gl.static_assert(CONSUMERS * 64 == BLOCK_M and (CONSUMERS == 2 or CONSUMERS == 3),
@@ -418,7 +441,7 @@ if AVAILABLE:
         smem = (q_smem, k_smem, v_smem, o_smem)
         sizes = (nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads)
         score_args = (score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right)
-        stats = (Lse, Slopes, stride_lse_b, stride_lse_h, stride_slopes_b)
+        stats = (Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b)
         # the default partition (num_warps = 4 warps) loads; the two consumers are workers of 4 warps each. Triton
         # 3.6 gives the functions that a default partition calls no warp count, so a default partition cannot
         # call helpers on distributed tensors (the consumers' softmax): the loads need none. The constexprs go in
@@ -427,20 +450,27 @@ if AVAILABLE:
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                                TILE_LIST)),
                 (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                                TILE_LIST)),
                 (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                                TILE_LIST)),
             ], [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
         else:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                                TILE_LIST)),
                 (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                                TILE_LIST)),
                 (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                                TILE_LIST)),
                 (_consumer_third, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG)),
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                                TILE_LIST)),
             ], [4, 4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, CONSUMER_REGISTERS])

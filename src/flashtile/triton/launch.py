@@ -9,6 +9,7 @@ dtype; lse (batch, nheads, seqlen_q) is contiguous float32, natural log.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import warnings
 from dataclasses import dataclass
@@ -314,6 +315,45 @@ def _gluon_heads_view(t: torch.Tensor, block_rows: int, block_width: int):
     return descriptor
 
 
+def _key_blocks(m0: int, block_m: int, block_n: int, seqlen_k: int, diagonal_offset: int, window_left: int,
+                window_right: int, has_left: bool, has_right: bool) -> int:
+    """Key blocks the Gluon forward visits for query rows [m0, m0 + block_m) (fwd_gluon._key_range's lo and hi)."""
+    lo, hi = 0, seqlen_k
+    if has_left:
+        lo = max(m0 + diagonal_offset - window_left, 0) // block_n * block_n
+    if has_right:
+        hi = min(m0 + block_m + diagonal_offset + window_right, seqlen_k)
+    return max(0, _cdiv(hi - lo, block_n))
+
+
+@functools.lru_cache(maxsize=256)
+def _dealt_tiles(device: torch.device, programs: int, query_blocks: int, batch_heads: int, group_heads: int,
+                 longest_first: bool, costs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(TileList, TileStarts) for the Gluon forward's balanced persistent grid: the tiles in the kernel's order
+    (fwd_gluon._tile_coordinates), each dealt to the CTA with the least work so far (list scheduling; the order is
+    longest first within groups of heads, so this is LPT within each group). CTA p takes TileList[TileStarts[p] ..
+    TileStarts[p + 1]) in that order. costs[m_block]: key blocks of a query block, plus one for its prologue and
+    epilogue. Built on the host once per shape and kept on the device."""
+    loads = [(0, cta) for cta in range(programs)]
+    dealt: list[list[int]] = [[] for _ in range(programs)]
+    for tile in range(query_blocks * batch_heads):
+        if longest_first:
+            group, within = divmod(tile, group_heads * query_blocks)
+            heads = min(group_heads, batch_heads - group * group_heads)
+            m_block = query_blocks - 1 - within // heads
+        else:
+            m_block = tile % query_blocks
+        load, cta = heapq.heappop(loads)
+        dealt[cta].append(tile)
+        heapq.heappush(loads, (load + costs[m_block], cta))
+    starts = [0]
+    for tiles in dealt:
+        starts.append(starts[-1] + len(tiles))
+    flat = [tile for tiles in dealt for tile in tiles]
+    return (torch.tensor(flat, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
+
+
 def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonTile):
     """The Gluon forward (fwd_gluon.py) of a dense call that gluon_unserved accepts: out, lse as forward()."""
     p = problem
@@ -329,15 +369,25 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     # longest-first order (a band closing on the right) takes heads in groups whose K and V fit in L2 together
     head_bytes = p.seqlen_k * (p.headdim + p.headdim_v) * q.element_size()
     group_heads = max(1, min(p.batch * p.nheads, GLUON_L2_GROUP_BYTES // max(1, head_bytes)))
+    tile_list = tile.persistent and tile.balanced
+    if tile_list:
+        costs = tuple(1 + _key_blocks(m * tile.block_m, tile.block_m, tile.block_n, p.seqlen_k, diagonal_offset,
+                                      window_left, window_right, flags["HAS_LEFT"], flags["HAS_RIGHT"])
+                      for m in range(query_blocks))
+        dealt, starts = _dealt_tiles(q.device, programs, query_blocks, p.batch * p.nheads, group_heads,
+                                     flags["HAS_RIGHT"], costs)
+    else:
+        dealt = starts = lse  # never read
     launch(
         attention_fwd_gluon_kernel, _grid(programs),
         (_gluon_heads_view(q, WARPGROUP_ROWS, block_d), _gluon_heads_view(k, tile.block_n, block_d),
-         _gluon_heads_view(v, tile.block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv), lse, slopes),
+         _gluon_heads_view(v, tile.block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv), lse, slopes,
+         dealt, starts),
         (lse.stride(0), lse.stride(1), slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_blocks,
          num_tiles, group_heads, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages, HAS_LEFT=flags["HAS_LEFT"],
         HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
-        SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong,
+        SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong, TILE_LIST=tile_list,
         CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4, maxnreg=tile.max_registers)
     return out, lse
 
