@@ -71,6 +71,15 @@ def test_the_gluon_forward_needs_hopper_and_fitting_shared_memory(monkeypatch):
         "it is written for sm_90 (Hopper), this GPU is sm_100"
 
 
+def test_the_gluon_forward_keeps_to_the_triton_releases_it_is_checked_with(monkeypatch):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, False), device=torch.device("cuda"))
+    import triton
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    assert configs.gluon_unserved_reason(problem, configs.GluonTile()) == \
+        "it is checked with triton 3.6.0 and 3.9.0, and this is triton 3.7.1"
+
+
 def test_three_consumers_take_192_rows_and_no_pingpong(monkeypatch):
     _on_a_hopper(monkeypatch)
     problem = dataclasses.replace(problem_for(1024, 1024, 64, 64, torch.bfloat16, False), device=torch.device("cuda"))

@@ -60,6 +60,9 @@ class GluonTile:
 
 
 GLUON_WIDTHS = (64, 128)  # padded q/k and v head widths the Gluon forward serves
+# Gluon is an experimental API that moves between Triton releases: the releases whose names gluon_compat.py maps
+# and whose compile CI checks (tests/test_gluon_compile.py; 3.6.0 is also the H200's, where it runs)
+GLUON_TRITON_VERSIONS = ("3.6.0", "3.9.0")
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
 
 
@@ -76,11 +79,16 @@ def gluon_shared_bytes(problem: AttentionProblem, tile: GluonTile) -> int:
 def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     """Why the Gluon forward does not serve `problem` ('' where it does); the tensors' alignment is checked at
     launch (launch.gluon_unserved)."""
+    import triton
+
     from . import gluon_compat
 
     p = problem
     if not gluon_compat.AVAILABLE:
         return gluon_compat.UNAVAILABLE_REASON
+    if triton.__version__ not in GLUON_TRITON_VERSIONS:
+        return (f"it is checked with triton {' and '.join(GLUON_TRITON_VERSIONS)}, and this is triton "
+                f"{triton.__version__}")
     if interpreting() or p.device.type != "cuda":
         return "Gluon kernels do not run in Triton's CPU interpreter"
     major, minor = torch.cuda.get_device_capability(p.device)
