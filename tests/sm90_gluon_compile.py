@@ -57,6 +57,14 @@ def extra_tiles():
              configs.GluonTile(consumers=3, num_stages=3)),
             ("fp16 d64 causal three consumers", problem_for(4096, 4096, 64, 64, torch.float16, True),
              configs.GluonTile(consumers=3, overlap=False, persistent=False)),
+            # 256-wide heads without overlap: with it (two score tiles live beside a 64 x 256 accumulator) triton 3.9
+            # spills 20 bytes (3.6 none)
+            ("bf16 d256 causal (output staged in the query buffer)",
+             problem_for(4096, 4096, 256, 256, torch.bfloat16, True), configs.GluonTile(overlap=False)),
+            ("bf16 d128 three stages (output staged in the query buffer)",
+             problem_for(4096, 4096, 128, 128, torch.bfloat16, False), configs.GluonTile(num_stages=3)),
+            ("fp16 d256 softcap no overlap", dataclass_replace(problem_for(4096, 4096, 256, 256, torch.float16, False),
+                                                               softcap=20.0), configs.GluonTile(overlap=False)),
             ("bf16 d128 causal dealt tiles", problem_for(4096, 4096, 128, 128, torch.bfloat16, True),
              configs.GluonTile(balanced=True)),
             ("bf16 d128 softcap", dataclass_replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
@@ -101,7 +109,7 @@ def compile_gluon_for_sm90(recorded):
 
 
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
-         "OVERLAP", "PINGPONG", "TILE_LIST", "CONSUMER_REGISTERS", "maxnreg")
+         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "CONSUMER_REGISTERS", "maxnreg")
 
 
 def ptxas_report(ptx: str) -> dict:

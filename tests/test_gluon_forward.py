@@ -52,8 +52,10 @@ def _on_a_hopper(monkeypatch):
     (dict(mask_kind="additive"), "a additive attn_mask runs the Triton kernels"),
     (dict(varlen=True), "packed (varlen) batches run the Triton kernels"),
     (dict(kvcache=True), "KV-cache calls run the Triton kernels"),
-    (dict(headdim=256, headdim_v=256), "head dims 256 / 256 pad to widths 256 / 256, not 64 or 128"),
-    (dict(headdim=40, headdim_v=16), "head dims 40 / 16 pad to widths 64 / 16, not 64 or 128")])
+    (dict(headdim=256, headdim_v=256), ""),  # 64-key blocks, the output staged in the query buffer
+    (dict(headdim=256, headdim_v=128), "256-wide heads need d == dv (the output shares the query rows' buffer), "
+                                       "got 256 / 128"),
+    (dict(headdim=40, headdim_v=16), "head dims 40 / 16 pad to widths 64 / 16, not 64, 128 or 256")])
 def test_the_gluon_forward_names_why_it_turns_a_call_away(monkeypatch, change, reason):
     _on_a_hopper(monkeypatch)
     problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, True), device=torch.device("cuda"),
@@ -64,8 +66,11 @@ def test_the_gluon_forward_names_why_it_turns_a_call_away(monkeypatch, change, r
 def test_the_gluon_forward_needs_hopper_and_fitting_shared_memory(monkeypatch):
     _on_a_hopper(monkeypatch)
     problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, False), device=torch.device("cuda"))
-    assert configs.gluon_unserved_reason(problem, configs.GluonTile(num_stages=3)) == \
-        "3 stages need 263,168 bytes of shared memory, more than sm_90's 232,448"
+    assert configs.gluon_unserved_reason(problem, configs.GluonTile(num_stages=4)) == \
+        "4 stages need 295,936 bytes of shared memory, more than sm_90's 232,448"
+    # three stages fit once the output is staged in the query rows' buffer
+    assert configs.gluon_shares_qo(problem, configs.GluonTile(num_stages=3))
+    assert not configs.gluon_shares_qo(problem, configs.GluonTile())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert configs.gluon_unserved_reason(problem, configs.GluonTile()) == \
         "it is written for sm_90 (Hopper), this GPU is sm_100"

@@ -70,6 +70,7 @@ GLUON_CASES = {
     "dv64-d128": ((2, 500, 600, 4, 4, 128, 64), {}),
     "d96-window": ((2, 700, 700, 4, 4, 96, 96), {"window_size": (100, 50)}),
     "softcap-alibi": ((2, 600, 650, 4, 4, 128, 128), {"causal": True, "softcap": 30.0, "alibi": True}),
+    "d256-causal": ((2, 300, 333, 4, 2, 256, 256), {"causal": True}),  # the output staged in the query buffer
 }
 
 

@@ -59,7 +59,7 @@ class GluonTile:
                 f"{self.consumer_registers} registers per consumer thread")
 
 
-GLUON_WIDTHS = (64, 128)  # padded q/k and v head widths the Gluon forward serves
+GLUON_WIDTHS = (64, 128, 256)  # padded q/k and v head widths the Gluon forward serves (256: d == dv only)
 # Gluon is an experimental API that moves between Triton releases: the releases whose names gluon_compat.py maps
 # and whose compile CI checks (tests/test_gluon_compile.py; 3.6.0 is also the H200's, where it runs)
 GLUON_TRITON_VERSIONS = ("3.6.0", "3.9.0")
@@ -70,10 +70,30 @@ def _padded_width(dim: int) -> int:
     return max(16, 1 << max(0, dim - 1).bit_length())
 
 
-def gluon_shared_bytes(problem: AttentionProblem, tile: GluonTile) -> int:
-    """Shared memory of the Gluon forward: the consumers' query rows and output staging, the K/V ring, barriers."""
+def gluon_block_n(problem: AttentionProblem, tile: GluonTile) -> int:
+    """Keys per block of the Gluon forward: the tile's, or 64 for 256-wide heads (their K and V blocks of 128 keys
+    leave no room for two stages)."""
+    wide = max(_padded_width(problem.headdim), _padded_width(problem.headdim_v)) > 128
+    return 64 if wide else tile.block_n
+
+
+def gluon_shares_qo(problem: AttentionProblem, tile: GluonTile) -> bool:
+    """Whether the output is staged in the query rows' buffer: where a buffer of its own would not fit (256-wide
+    heads); it needs d == dv (one box shape)."""
+    return _padded_width(problem.headdim) == _padded_width(problem.headdim_v) and \
+        _gluon_bytes(problem, tile, shared_qo=False) > SHARED_MEMORY_LIMIT
+
+
+def _gluon_bytes(problem: AttentionProblem, tile: GluonTile, shared_qo: bool) -> int:
     d, dv = _padded_width(problem.headdim), _padded_width(problem.headdim_v)
-    return 2 * (tile.block_m * (d + dv) + tile.num_stages * tile.block_n * (d + dv)) + 1024
+    staging = tile.block_m * d if shared_qo else tile.block_m * (d + dv)
+    return 2 * (staging + tile.num_stages * gluon_block_n(problem, tile) * (d + dv)) + 1024
+
+
+def gluon_shared_bytes(problem: AttentionProblem, tile: GluonTile) -> int:
+    """Shared memory of the Gluon forward: the consumers' query rows and output staging (one buffer for both where
+    gluon_shares_qo), the K/V ring, barriers."""
+    return _gluon_bytes(problem, tile, gluon_shares_qo(problem, tile))
 
 
 def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
@@ -104,10 +124,14 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
         return "KV-cache calls run the Triton kernels"
     widths = _padded_width(p.headdim), _padded_width(p.headdim_v)
     if not all(w in GLUON_WIDTHS for w in widths):
-        return f"head dims {p.headdim} / {p.headdim_v} pad to widths {widths[0]} / {widths[1]}, not 64 or 128"
+        return f"head dims {p.headdim} / {p.headdim_v} pad to widths {widths[0]} / {widths[1]}, not 64, 128 or 256"
     if tile.consumers not in (2, 3) or (tile.pingpong and tile.consumers != 2):
         pingpong = " in pingpong" if tile.pingpong else ""
         return f"{tile.consumers} consumer warpgroups{pingpong}: it takes two or three, pingpong two"
+    if tile.consumers == 3 and max(widths) > 64:
+        return "three consumer warpgroups (160 registers each) take head widths up to 64"
+    if max(widths) > 128 and widths[0] != widths[1]:
+        return f"256-wide heads need d == dv (the output shares the query rows' buffer), got {p.headdim} / {p.headdim_v}"
     if gluon_shared_bytes(p, tile) > SHARED_MEMORY_LIMIT:
         return (f"{tile.num_stages} stages need {gluon_shared_bytes(p, tile):,} bytes of shared memory, more than "
                 f"sm_90's {SHARED_MEMORY_LIMIT:,}")
@@ -289,7 +313,7 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     - a left window edge: not measured, the Triton forward stays.
     """
     served = (hopper and not problem.varlen and not problem.kvcache and problem.mask_kind is None
-              and _padded_width(problem.headdim) in GLUON_WIDTHS and _padded_width(problem.headdim_v) in GLUON_WIDTHS)
+              and _padded_width(problem.headdim) in (64, 128) and _padded_width(problem.headdim_v) in (64, 128))
     if not served or problem.window_left >= 0:
         return {}
     wide = max(_padded_width(problem.headdim), _padded_width(problem.headdim_v)) == 128

@@ -116,7 +116,7 @@ if AVAILABLE:
                   NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr):
+                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr):
         """The load warp: per tile, both consumers' query rows, then every visible K and V block into the ring."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
@@ -219,7 +219,8 @@ if AVAILABLE:
                   NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr, WG: gl.constexpr):
+                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
+                  WG: gl.constexpr):
         """Consumer warpgroup WG (0 .. BLOCK_M / 64 - 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
@@ -311,7 +312,8 @@ if AVAILABLE:
                         prev_phase = (it // NUM_STAGES) & 1
                         it += 1
                     # this tile's last score matmul is done: the producer may load the next tile's query rows
-                    mbarrier.arrive(q_empty.index(WG), count=1)
+                    # (unless they share their buffer with the output's staging: then once the output is stored)
+                    mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
                     mbarrier.wait(v_ready.index(prev_stage), prev_phase)
                     turns = _take_turn(my_turn, turns, WG, PINGPONG)
                     acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
@@ -344,10 +346,10 @@ if AVAILABLE:
                         acc = warpgroup_mma_wait(0, deps=[acc])
                         mbarrier.arrive(v_empty.index(stage), count=1)
                         it += 1
-                    mbarrier.arrive(q_empty.index(WG), count=1)
+                    mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
             else:
                 # no visible key: nothing to compute, the query rows are free at once
-                mbarrier.arrive(q_empty.index(WG), count=1)
+                mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
             # epilogue: normalise once, rows that saw no key give out 0 and lse -inf
             l_o = gl.convert_layout(l_i, o_row_layout)
             seen = l_o > 0
@@ -366,6 +368,11 @@ if AVAILABLE:
             fence_async_shared()
             thread_barrier()
             tma_store(o_desc, [b, h, row0, 0], o_tile)
+            if SHARE_QO:
+                # the output was staged in the query rows' buffer: free it once the store has read it
+                tma.store_wait(0)
+                thread_barrier()
+                mbarrier.arrive(q_empty.index(WG), count=1)
             tiles_done += 1
         tma.store_wait(0)
 
@@ -374,30 +381,30 @@ if AVAILABLE:
                         NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr):
+                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr):
         """The first consumer warpgroup (rows 0-63 of each tile)."""
         _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, 0)
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, SHARE_QO, 0)
 
     @gluon.jit
     def _consumer_second(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                          OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr):
+                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr):
         """The second consumer warpgroup (rows 64-127 of each tile)."""
         _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, 1)
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, SHARE_QO, 1)
 
     @gluon.jit
     def _consumer_third(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                          OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr):
+                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr):
         """The second consumer warpgroup (rows 128-191 of each tile, with three)."""
         _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, 2)
+                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, SHARE_QO, 2)
 
     @gluon.jit
     def attention_fwd_gluon_kernel(
@@ -408,7 +415,7 @@ if AVAILABLE:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
         SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr,
-        CONSUMER_REGISTERS: gl.constexpr,
+        SHARE_QO: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
     ):
         CONSUMERS: gl.constexpr = BLOCK_M // 64
         gl.static_assert(CONSUMERS * 64 == BLOCK_M and (CONSUMERS == 2 or CONSUMERS == 3),
@@ -418,7 +425,13 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+        if SHARE_QO:
+            # the output is staged in the query rows' buffer (d = dv: one box shape and layout), which is free once
+            # the tile's last score matmul is done: what lets wide heads fit shared memory
+            gl.static_assert(q_desc.block_type.shape == o_desc.block_type.shape, "shared Q / O staging needs d == dv")
+            o_smem = q_smem
+        else:
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -451,26 +464,26 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST)),
+                                TILE_LIST, SHARE_QO)),
                 (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST)),
+                                TILE_LIST, SHARE_QO)),
                 (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST)),
+                                TILE_LIST, SHARE_QO)),
             ], [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
         else:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST)),
+                                TILE_LIST, SHARE_QO)),
                 (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST)),
+                                TILE_LIST, SHARE_QO)),
                 (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST)),
+                                TILE_LIST, SHARE_QO)),
                 (_consumer_third, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST)),
+                                TILE_LIST, SHARE_QO)),
             ], [4, 4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, CONSUMER_REGISTERS])

@@ -365,13 +365,14 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     query_blocks = _cdiv(p.seqlen_q, tile.block_m)
     num_tiles = query_blocks * p.batch * p.nheads
     programs = min(num_tiles, _sm_count(q.device)) if tile.persistent else num_tiles
+    block_n = configs.gluon_block_n(p, tile)
     _, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = scalars
     # longest-first order (a band closing on the right) takes heads in groups whose K and V fit in L2 together
     head_bytes = p.seqlen_k * (p.headdim + p.headdim_v) * q.element_size()
     group_heads = max(1, min(p.batch * p.nheads, GLUON_L2_GROUP_BYTES // max(1, head_bytes)))
     tile_list = tile.persistent and tile.balanced
     if tile_list:
-        costs = tuple(1 + _key_blocks(m * tile.block_m, tile.block_m, tile.block_n, p.seqlen_k, diagonal_offset,
+        costs = tuple(1 + _key_blocks(m * tile.block_m, tile.block_m, block_n, p.seqlen_k, diagonal_offset,
                                       window_left, window_right, flags["HAS_LEFT"], flags["HAS_RIGHT"])
                       for m in range(query_blocks))
         dealt, starts = _dealt_tiles(q.device, programs, query_blocks, p.batch * p.nheads, group_heads,
@@ -380,15 +381,16 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
         dealt = starts = lse  # never read
     launch(
         attention_fwd_gluon_kernel, _grid(programs),
-        (_gluon_heads_view(q, WARPGROUP_ROWS, block_d), _gluon_heads_view(k, tile.block_n, block_d),
-         _gluon_heads_view(v, tile.block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv), lse, slopes,
+        (_gluon_heads_view(q, WARPGROUP_ROWS, block_d), _gluon_heads_view(k, block_n, block_d),
+         _gluon_heads_view(v, block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv), lse, slopes,
          dealt, starts),
         (lse.stride(0), lse.stride(1), slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_blocks,
          num_tiles, group_heads, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages, HAS_LEFT=flags["HAS_LEFT"],
+        BLOCK_M=tile.block_m, BLOCK_N=block_n, NUM_STAGES=tile.num_stages, HAS_LEFT=flags["HAS_LEFT"],
         HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong, TILE_LIST=tile_list,
-        CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4, maxnreg=tile.max_registers)
+        SHARE_QO=configs.gluon_shares_qo(p, tile), CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4,
+        maxnreg=tile.max_registers)
     return out, lse
 
 
