@@ -131,7 +131,8 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     if tile.consumers == 3 and max(widths) > 64:
         return "three consumer warpgroups (160 registers each) take head widths up to 64"
     if max(widths) > 128 and widths[0] != widths[1]:
-        return f"256-wide heads need d == dv (the output shares the query rows' buffer), got {p.headdim} / {p.headdim_v}"
+        return (f"256-wide heads need d == dv (the output shares the query rows' buffer), got {p.headdim} / "
+                f"{p.headdim_v}")
     if gluon_shared_bytes(p, tile) > SHARED_MEMORY_LIMIT:
         return (f"{tile.num_stages} stages need {gluon_shared_bytes(p, tile):,} bytes of shared memory, more than "
                 f"sm_90's {SHARED_MEMORY_LIMIT:,}")
@@ -233,7 +234,8 @@ FORWARD_SCHEDULES = {
         "beside other GPU processes, 3 of 382,482 reruns returned NaN; it warns when it runs)"),
     3: ("attention_fwd_gluon_kernel (Gluon, explicit warp roles: a load warpgroup streaming K/V by TMA, two "
         "consumer warpgroups with asynchronous wgmma and P in registers) on sm_90 for fp16 / bf16 dense calls of "
-        "padded head widths 64 / 128 without attn_mask; any other call takes attention_fwd_tma_kernel as schedule 1"),
+        "padded head widths 64 / 128 (256 with d == dv) without attn_mask; any other call takes "
+        "attention_fwd_tma_kernel as schedule 1"),
 }
 
 BACKWARD_SCHEDULES = {
