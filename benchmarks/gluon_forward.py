@@ -111,6 +111,8 @@ def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
         ("dv 128 d 64", (2, 500, 600, 4, 4, 64, 128), dict()),
         ("d 96 (pads to 128)", (2, 300, 301, 4, 4, 96, 96), dict(causal=True)),
         ("d 40 (pads to 64)", (2, 300, 301, 4, 4, 40, 40), dict()),
+        ("d 256 (output staged in the query buffer), more tiles than SMs", (4, 1000, 1000, 8, 2, 256, 256),
+         dict(causal=True)),
         ("window (100, 50)", (2, 1000, 1000, 4, 4, 128, 128), dict(window=(100, 50))),
         ("window (0, 0)", (2, 300, 300, 4, 4, 64, 64), dict(window=(0, 0))),
         ("window (-1, 20) sq < sk", (2, 200, 900, 4, 4, 128, 128), dict(window=(-1, 20))),

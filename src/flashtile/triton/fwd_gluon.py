@@ -239,8 +239,9 @@ if AVAILABLE:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        my_turn = turn.index(WG)
-        other_turn = turn.index(1 - WG)
+        # pingpong's two turns (two consumers only; a third consumer never takes a turn)
+        my_turn = turn.index(WG % 2)
+        other_turn = turn.index(1 - WG % 2)
         q_tile = q_smem.index(WG).reshape([64, BLOCK_D])
         it = 0
         turns = 0
@@ -275,6 +276,8 @@ if AVAILABLE:
                                       is_async=True)
                     _pass_turn(other_turn, PINGPONG)
                     s = warpgroup_mma_wait(0, deps=[s])
+                    # the K block is read: release it (one thread arrives, past its wait; a warpgroup's wgmma is one
+                    # collective operation, docs/compiler-workarounds.md)
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     s = _scores(s, offs_m, lo + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k,
                                 score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
@@ -296,7 +299,11 @@ if AVAILABLE:
                         acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
                                             is_async=True)
                         _pass_turn(other_turn, PINGPONG)
-                        # the scores alone: the previous block's P V keeps running under this block's softmax
+                        # the scores alone: the previous block's P V keeps running under this block's softmax. Its
+                        # register operand P is not passed through the waits: ptxas tracks the registers of an
+                        # in-flight wgmma itself (and would serialise wgmma, with a warning, where it could not),
+                        # while passing P added 96 register moves to each iteration (triton 3.6) and made the
+                        # three-consumer variant spill under 3.9
                         s = warpgroup_mma_wait(1, deps=[s])
                         mbarrier.arrive(k_empty.index(stage), count=1)
                         s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k,
@@ -455,11 +462,11 @@ if AVAILABLE:
         sizes = (nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads)
         score_args = (score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right)
         stats = (Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b)
-        # the default partition (num_warps = 4 warps) loads; the two consumers are workers of 4 warps each. Triton
-        # 3.6 gives the functions that a default partition calls no warp count, so a default partition cannot
-        # call helpers on distributed tensors (the consumers' softmax): the loads need none. The constexprs go in
-        # the partitions' argument lists themselves: put in a tuple first, they would reach the partitions as
-        # tensors
+        # the default partition (num_warps = 4 warps) loads; the consumers are workers of 4 warps each. Workaround
+        # (triton 3.6.0, 2026-12-01): the functions that a default partition calls get no warp count, so it cannot
+        # call helpers on distributed tensors (the consumers' softmax); the loads need none. The constexprs go in
+        # the partitions' argument lists themselves: put in a tuple first, they reach the partitions as tensors
+        # (docs/compiler-workarounds.md)
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
