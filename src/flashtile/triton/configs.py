@@ -9,6 +9,7 @@ tl.dot accepts, so CI exercises many blocks, ragged edges and masks quickly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -57,6 +58,13 @@ class GluonTile:
                 f"{'with' if self.pingpong else 'without'} pingpong, "
                 f"{self._grid()}, "
                 f"{self.consumer_registers} registers per consumer thread")
+
+
+@functools.lru_cache(maxsize=256)
+def _gluon_tile_of(stages: int, overlap: int, pingpong: int, persistent: int, consumers: int,
+                   balanced: int) -> GluonTile:
+    return GluonTile(num_stages=stages, overlap=bool(overlap), pingpong=bool(pingpong), persistent=bool(persistent),
+                     consumers=consumers, balanced=bool(balanced))
 
 
 GLUON_WIDTHS = (64, 128, 256)  # padded q/k and v head widths the Gluon forward serves (256: d == dv only)
@@ -192,10 +200,9 @@ class TritonTiles:
 
     @property
     def gluon_tile(self) -> GluonTile:
-        """The Gluon forward's launch configuration."""
-        return GluonTile(num_stages=self.gluon_stages, overlap=bool(self.gluon_overlap),
-                         pingpong=bool(self.gluon_pingpong), persistent=bool(self.gluon_persistent),
-                         consumers=self.gluon_consumers, balanced=bool(self.gluon_balanced))
+        """The Gluon forward's launch configuration (one object per distinct setting: a call reads it twice)."""
+        return _gluon_tile_of(self.gluon_stages, self.gluon_overlap, self.gluon_pingpong, self.gluon_persistent,
+                              self.gluon_consumers, self.gluon_balanced)
 
     @property
     def backward_one_launch(self) -> bool:

@@ -283,9 +283,18 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
 GLUON_L2_GROUP_BYTES = 24 << 20  # K and V bytes of the heads that the longest-first order keeps together (L2 50 MB)
 
 
+@functools.lru_cache(maxsize=1024)
+def _gluon_plan(problem: AttentionProblem, tile: GluonTile) -> tuple[str, int, bool]:
+    """(configs.gluon_unserved_reason, keys per block, whether the output shares the query rows' buffer) of a
+    problem: functions of the problem, the tile and the process (its GPUs, its Triton), kept per problem so that a
+    call does not recompute them."""
+    return (configs.gluon_unserved_reason(problem, tile), configs.gluon_block_n(problem, tile),
+            configs.gluon_shares_qo(problem, tile))
+
+
 def gluon_unserved(q, k, v, attn_mask, problem: AttentionProblem, tile: GluonTile, packed: bool) -> str:
     """Why the Gluon forward cannot run this call ('' when it can): configs.gluon_unserved_reason, then the tensors."""
-    reason = configs.gluon_unserved_reason(problem, tile)
+    reason = _gluon_plan(problem, tile)[0]
     if reason:
         return reason
     if attn_mask is not None or packed:
@@ -365,7 +374,7 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     query_blocks = _cdiv(p.seqlen_q, tile.block_m)
     num_tiles = query_blocks * p.batch * p.nheads
     programs = min(num_tiles, _sm_count(q.device)) if tile.persistent else num_tiles
-    block_n = configs.gluon_block_n(p, tile)
+    _, block_n, share_qo = _gluon_plan(p, tile)
     _, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = scalars
     # longest-first order (a band closing on the right) takes heads in groups whose K and V fit in L2 together
     head_bytes = p.seqlen_k * (p.headdim + p.headdim_v) * q.element_size()
@@ -389,7 +398,7 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
         BLOCK_M=tile.block_m, BLOCK_N=block_n, NUM_STAGES=tile.num_stages, HAS_LEFT=flags["HAS_LEFT"],
         HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong, TILE_LIST=tile_list,
-        SHARE_QO=configs.gluon_shares_qo(p, tile), CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4,
+        SHARE_QO=share_qo, CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4,
         maxnreg=tile.max_registers)
     return out, lse
 
