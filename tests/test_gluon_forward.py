@@ -100,6 +100,10 @@ def test_explain_names_the_gluon_forward_and_its_settings(monkeypatch):
     problem = dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, True), device=torch.device("cuda"))
     text = configs.default_tiles(problem, HOPPER).describe(problem)
     assert text.startswith("forward (attention_fwd_gluon_kernel (Gluon, explicit warp roles")
+    from flashtile import _dispatch
+    described = _dispatch.BACKENDS["triton"].describe_tiles(problem, configs.default_tiles(problem, HOPPER))
+    assert described.endswith("forward visits 528 of 1024 tiles per (batch, head) (32 with an element mask)"), \
+        described  # the Gluon forward's 128 x 128 tiles over 4k x 4k keys, causal
     assert ("BLOCK_M 128 (2 consumer warpgroups of 64 rows) x BLOCK_N 128, 2 K/V stages, with intra-warpgroup "
             "overlap, without pingpong, one CTA per tile, 240 registers per consumer thread") in text
 

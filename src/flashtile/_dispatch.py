@@ -212,7 +212,11 @@ class TritonBackend:
             return (f"{tiles.describe(problem)}; packed sequences: the grid covers max_seqlen rows of each "
                     f"sequence, at most {triton_configs.VARLEN_GRID_ROWS}, and each program visits only its "
                     f"sequence's blocks, looping over those past the grid")
-        visited, masked, full = count_visited_tiles(problem, tiles.block_m, tiles.block_n, aligned=True)
+        block_m, block_n = tiles.block_m, tiles.block_n
+        if tiles.forward_schedule == 3 and not triton_configs.gluon_unserved_reason(problem, tiles.gluon_tile):
+            # the Gluon forward's own tile
+            block_m, block_n = tiles.gluon_tile.block_m, triton_configs.gluon_block_n(problem, tiles.gluon_tile)
+        visited, masked, full = count_visited_tiles(problem, block_m, block_n, aligned=True)
         return (f"{tiles.describe(problem)}; forward visits {visited} of {full} tiles per (batch, head) "
                 f"({masked} with an element mask)")
 
