@@ -1,34 +1,36 @@
 """Attention forward, Hopper schedule with explicit warp roles (FlashAttention-3's), written in Gluon.
 
 The same algorithm as fwd.py (online softmax in base 2, one normalisation at the end, the log-sum-exp kept per
-row), run by three roles of one CTA, each a partition of `gl.warp_specialize`:
+row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
 
-- the loads: the default partition (4 warps, 24 registers a thread after `setmaxnreg`) loads each tile's query
-  rows once and streams K and V blocks through a ring of NUM_STAGES shared-memory stages with TMA, each copy
-  completing a "ready" mbarrier; it refills a K (or V) stage once both consumers have released it ("empty"): K
-  after its score matmul, V after its P V;
-- two consumer warpgroups (workers of 4 warps, CONSUMER_REGISTERS each through `setmaxnreg`), each owning 64 of
-  the tile's BLOCK_M = 128 query rows. Each issues S = Q Kᵀ as an asynchronous wgmma (Q and K from shared memory),
-  runs the online softmax on S in registers, and issues O += P V with P converted in registers to the wgmma's A
-  operand (no round trip through shared memory), then normalises once and stores its rows by TMA.
+- the loads: the default partition (4 warps, 24 registers a thread after `setmaxnreg`, 32 with three consumers)
+  loads each tile's query rows once and streams K and V blocks through a ring of NUM_STAGES shared-memory stages
+  with TMA, each copy completing a "ready" mbarrier; it refills a K (or V) stage once every consumer has released
+  it ("empty"): K after its score matmul, V after its P V;
+- BLOCK_M / 64 consumer warpgroups (two, or three for 192-row tiles; workers of 4 warps, CONSUMER_REGISTERS each
+  through `setmaxnreg`), each owning 64 of the tile's query rows. Each issues S = Q Kᵀ as an asynchronous wgmma
+  (Q and K from shared memory), runs the online softmax on S in registers, and issues O += P V with P converted in
+  registers to the wgmma's A operand (no round trip through shared memory), then normalises once and stores its
+  rows by TMA (staged in its query rows' buffer with SHARE_QO, where a buffer of its own would not fit).
 - OVERLAP (intra-warpgroup overlap): a consumer issues Q Kᵀ of block j + 1 before the P V of block j and waits for
   the score matmul alone (`warpgroup_mma_wait(1)`), so its softmax of block j + 1 runs under its P V of block j;
   the accumulator's rescale waits for that P V.
-- PINGPONG: the two consumers take turns through a pair of mbarriers: one issues its matmuls only on its turn
+- PINGPONG (two consumers): they take turns through a pair of mbarriers: one issues its matmuls only on its turn
   and passes the turn on once they are issued, so one warpgroup's exponentials run under the other's matmuls.
 
 The grid is min(#SMs, tiles) CTAs for a persistent launch, or one CTA per tile. A CTA takes one tile per wave of
-gl.num_programs(0) tiles, waves dealt in alternating directions (_tile_number); all three roles walk the same
-sequence. With a band that closes on the right (causal) the tiles are ordered longest first within groups of heads
-whose K and V fit in L2; otherwise a head's query blocks are consecutive, which keeps its K and V in L2.
+gl.num_programs(0) tiles, waves dealt in alternating directions (_tile_number), or with TILE_LIST the tiles the
+launcher dealt it; all roles walk the same sequence. With a band that closes on the right (causal) the tiles are
+ordered longest first within groups of heads whose K and V fit in L2; otherwise a head's query blocks are
+consecutive, which keeps its K and V in L2.
 
 Descriptors: Q, K, V and O are host-side 4-D (batch, heads, rows, dim) views of the (batch, rows, heads, dim)
 tensors whose [1, 1, rows, width] box is one head's tile: the copy engine zero-fills rows past a sequence's end
 (K and V blocks past the last key read zeros, masked to -inf in the scores) and clips the output's stores there.
 
-What it serves: fp16 / bf16, head dims whose padded widths are 64 or 128 (q/k and v apart), dense batches,
-causal (bottom-right) and sliding windows with block skipping, GQA/MQA by head arithmetic, softcap, ALiBi, the
-lse. The launcher (launch.py) sends everything else to the Triton kernels, and explain() says why
+What it serves: fp16 / bf16, head dims whose padded widths are 64 or 128 (q/k and v apart) or 256 (d = dv),
+dense batches, causal (bottom-right) and sliding windows with block skipping, GQA/MQA by head arithmetic, softcap,
+ALiBi, the lse. The launcher (launch.py) sends everything else to the Triton kernels, and explain() says why
 (configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
 """
 
