@@ -48,7 +48,7 @@ def gluon(q, k, v, slopes=None, tile=launch.GluonTile(), **options):
     if slopes is not None and slopes.dim() == 1:
         slopes = slopes[None]  # the launchers take (batch or 1, nheads), as flashtile's validation hands them over
     problem = problem_of(q, k, v, alibi=slopes is not None, **options)
-    reason = launch.gluon_unserved(q, k, v, None, problem, tile, False)
+    reason = launch.gluon_unserved(q, k, v, problem, tile)
     assert not reason, reason
     return launch.forward_gluon(q, k, v, slopes, problem, tile)
 

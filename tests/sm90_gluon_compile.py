@@ -14,6 +14,7 @@ wait depths), setmaxnreg, TMA copies, the registers and spill bytes ptxas report
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -23,11 +24,9 @@ import tempfile
 
 import torch
 import triton
-from triton.compiler import make_backend
-from triton.runtime.jit import create_function_from_signature
 
 from flashtile.triton import configs, launch as launchers
-from sm90_launches import SM90, problem_for, recorded_launches, resource_usage
+from sm90_launches import compile_for_sm90, problem_for, recorded_launches, resource_usage
 
 
 def table_problems():
@@ -63,19 +62,15 @@ def extra_tiles():
              problem_for(4096, 4096, 256, 256, torch.bfloat16, True), configs.GluonTile(overlap=False)),
             ("bf16 d128 three stages (output staged in the query buffer)",
              problem_for(4096, 4096, 128, 128, torch.bfloat16, False), configs.GluonTile(num_stages=3)),
-            ("fp16 d256 softcap no overlap", dataclass_replace(problem_for(4096, 4096, 256, 256, torch.float16, False),
-                                                               softcap=20.0), configs.GluonTile(overlap=False)),
+            ("fp16 d256 softcap no overlap",
+             dataclasses.replace(problem_for(4096, 4096, 256, 256, torch.float16, False), softcap=20.0),
+             configs.GluonTile(overlap=False)),
             ("bf16 d128 causal dealt tiles", problem_for(4096, 4096, 128, 128, torch.bfloat16, True),
              configs.GluonTile(balanced=True)),
-            ("bf16 d128 softcap", dataclass_replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
+            ("bf16 d128 softcap", dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
                                                     softcap=30.0), configs.GluonTile()),
-            ("bf16 d64 window (64, 32)", dataclass_replace(problem_for(4096, 4096, 64, 64, torch.bfloat16, False),
+            ("bf16 d64 window (64, 32)", dataclasses.replace(problem_for(4096, 4096, 64, 64, torch.bfloat16, False),
                                                            window_left=64, window_right=32), configs.GluonTile())]
-
-
-def dataclass_replace(problem, **changes):
-    import dataclasses
-    return dataclasses.replace(problem, **changes)
 
 
 def recorded_gluon_launch(problem, tile):
@@ -94,18 +89,6 @@ def recorded_gluon_launch(problem, tile):
         launchers._sm_count = saved
     (launch,) = recorded
     return launch
-
-
-def compile_gluon_for_sm90(recorded):
-    """Gluon's compiled kernel for this launch on sm_90, specialised as Triton's binder specialises it."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = recorded.kernel
-    backend = make_backend(SM90)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*recorded.arguments, **recorded.options)
-    options, signature, constexprs, attrs = fn._pack_args(backend, recorded.options, bound, specialization, options)
-    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)
 
 
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
@@ -138,7 +121,7 @@ def report(label, recorded) -> dict:
            "widths": [recorded.arguments[0].block_shape[3], recorded.arguments[2].block_shape[3]],
            "dtype": str(recorded.arguments[0].base.dtype)}
     try:
-        compiled = compile_gluon_for_sm90(recorded)
+        compiled = compile_for_sm90(recorded)
     except Exception as error:  # noqa: BLE001 - the report names any compiler failure
         return dict(row, error=f"{type(error).__name__}: {str(error)[-1500:]}")
     ptx = compiled.asm["ptx"]

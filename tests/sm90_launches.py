@@ -95,13 +95,16 @@ def launches_of(problem: AttentionProblem, tiles: configs.TritonTiles | None = N
 
 
 def compile_for_sm90(recorded: RecordedLaunch):
-    """Triton's compiled kernel for this launch on sm_90, specialised as Triton's binder specialises it."""
+    """Triton's (or Gluon's) compiled kernel for this launch on sm_90, specialised as Triton's binder specialises it."""
     fn = recorded.kernel
     backend = make_backend(SM90)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*recorded.arguments, **recorded.options)
     options, signature, constexprs, attrs = fn._pack_args(backend, recorded.options, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel: Gluon's front end
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)
 
 
 def resource_usage(cubin: bytes) -> dict:

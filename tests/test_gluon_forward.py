@@ -142,7 +142,8 @@ def test_the_launcher_deals_every_tile_once_and_evenly(query_blocks, batch_heads
 
     costs = tuple(1 + _key_blocks(m * 128, 128, 128, query_blocks * 128, 0, 0, 0, False, causal)
                   for m in range(query_blocks))
-    tiles, starts = _dealt_tiles(torch.device("cpu"), programs, query_blocks, batch_heads, group_heads, causal, costs)
+    tiles, starts = _dealt_tiles(torch.device("cpu"), programs, query_blocks, batch_heads, group_heads, 128, 128,
+                                 query_blocks * 128, 0, 0, 0, False, causal)
     num_tiles = query_blocks * batch_heads
     assert sorted(tiles.tolist()) == list(range(num_tiles)) and starts[0] == 0 and starts[-1] == num_tiles
     assert starts.shape == (programs + 1,) and bool((starts[1:] >= starts[:-1]).all())

@@ -74,26 +74,27 @@ GLUON_TRITON_VERSIONS = ("3.6.0", "3.9.0")
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
 
 
-def _padded_width(dim: int) -> int:
+def padded_width(dim: int) -> int:
+    """The tile width a head dim takes in the kernels: the next power of two, at least 16."""
     return max(16, 1 << max(0, dim - 1).bit_length())
 
 
 def gluon_block_n(problem: AttentionProblem, tile: GluonTile) -> int:
     """Keys per block of the Gluon forward: the tile's, or 64 for 256-wide heads (their K and V blocks of 128 keys
     leave no room for two stages)."""
-    wide = max(_padded_width(problem.headdim), _padded_width(problem.headdim_v)) > 128
+    wide = max(padded_width(problem.headdim), padded_width(problem.headdim_v)) > 128
     return 64 if wide else tile.block_n
 
 
 def gluon_shares_qo(problem: AttentionProblem, tile: GluonTile) -> bool:
     """Whether the output is staged in the query rows' buffer: where a buffer of its own would not fit (256-wide
     heads); it needs d == dv (one box shape)."""
-    return _padded_width(problem.headdim) == _padded_width(problem.headdim_v) and \
+    return padded_width(problem.headdim) == padded_width(problem.headdim_v) and \
         _gluon_bytes(problem, tile, shared_qo=False) > SHARED_MEMORY_LIMIT
 
 
 def _gluon_bytes(problem: AttentionProblem, tile: GluonTile, shared_qo: bool) -> int:
-    d, dv = _padded_width(problem.headdim), _padded_width(problem.headdim_v)
+    d, dv = padded_width(problem.headdim), padded_width(problem.headdim_v)
     staging = tile.block_m * d if shared_qo else tile.block_m * (d + dv)
     return 2 * (staging + tile.num_stages * gluon_block_n(problem, tile) * (d + dv)) + 1024
 
@@ -130,7 +131,7 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
         return "packed (varlen) batches run the Triton kernels"
     if p.kvcache:
         return "KV-cache calls run the Triton kernels"
-    widths = _padded_width(p.headdim), _padded_width(p.headdim_v)
+    widths = padded_width(p.headdim), padded_width(p.headdim_v)
     if not all(w in GLUON_WIDTHS for w in widths):
         return f"head dims {p.headdim} / {p.headdim_v} pad to widths {widths[0]} / {widths[1]}, not 64, 128 or 256"
     if tile.consumers not in (2, 3) or (tile.pingpong and tile.consumers != 2):
@@ -322,10 +323,10 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     - a left window edge: not measured, the Triton forward stays.
     """
     served = (hopper and not problem.varlen and not problem.kvcache and problem.mask_kind is None
-              and _padded_width(problem.headdim) in (64, 128) and _padded_width(problem.headdim_v) in (64, 128))
+              and padded_width(problem.headdim) in (64, 128) and padded_width(problem.headdim_v) in (64, 128))
     if not served or problem.window_left >= 0:
         return {}
-    wide = max(_padded_width(problem.headdim), _padded_width(problem.headdim_v)) == 128
+    wide = max(padded_width(problem.headdim), padded_width(problem.headdim_v)) == 128
     if not problem.is_banded:
         stages = 3 if not wide and problem.seqlen_k <= 4096 else 2
         return dict(forward_schedule=3, gluon_stages=stages, gluon_overlap=1, gluon_pingpong=0, gluon_persistent=1)

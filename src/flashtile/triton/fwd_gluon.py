@@ -34,6 +34,7 @@ ALiBi, the lse. The launcher (launch.py) sends everything else to the Triton ker
 (configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
 """
 
+from .common import band_mask, key_block_bounds, tanh
 from .gluon_compat import (AVAILABLE, fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma, tma_load,
                            tma_store, warpgroup_mma, warpgroup_mma_wait)
 
@@ -93,27 +94,6 @@ if AVAILABLE:
         return m_block, bh
 
     @gluon.jit
-    def _key_range(m0, seqlen_k, diagonal_offset, window_left, window_right, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-        """Key blocks of query rows [m0, m0 + BLOCK_M): (lo, full_lo, full_hi, hi), as common.key_block_bounds:
-        blocks in [full_lo, full_hi) are inside the band and the keys for every row; the others need the mask."""
-        lo = 0
-        full_lo = 0
-        hi = seqlen_k
-        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-        if HAS_LEFT:
-            first_visible = gl.maximum(m0 + diagonal_offset - window_left, 0)
-            lo = (first_visible // BLOCK_N) * BLOCK_N
-            last_row_edge = gl.maximum(m0 + BLOCK_M - 1 + diagonal_offset - window_left, 0)
-            full_lo = ((last_row_edge + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-        if HAS_RIGHT:
-            hi = gl.minimum(m0 + BLOCK_M + diagonal_offset + window_right, seqlen_k)
-            first_row_end = gl.maximum(m0 + diagonal_offset + window_right + 1, 0)
-            full_hi = gl.minimum(full_hi, (first_row_end // BLOCK_N) * BLOCK_N)
-        full_hi = gl.maximum(full_hi, full_lo)
-        return lo, full_lo, full_hi, hi
-
-    @gluon.jit
     def _producer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
@@ -137,7 +117,7 @@ if AVAILABLE:
             h = bh % nheads
             hk = h // group_size
             m0 = m_block * BLOCK_M
-            lo, full_lo, full_hi, hi = _key_range(m0, seqlen_k, diagonal_offset, window_left, window_right,
+            lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             q_phase = tiles_done & 1
             for w in gl.static_range(BLOCK_M // 64):
@@ -163,26 +143,20 @@ if AVAILABLE:
                 diagonal_offset, window_left, window_right, MASKED, HAS_LEFT: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                 SCALE_IN_EXP2: gl.constexpr):
-        """The tile's scores from its raw products, as common.scores: base 2, or with SCALE_IN_EXP2 the unscaled
-        products (the scale goes into the exponent); -inf outside the band and past the keys where MASKED (a
-        runtime flag: only the band's edge blocks and the keys' ragged end pay for the mask)."""
+        """The tile's scores from its raw products, as common.scores (whose tanh and band_mask it calls): base 2, or
+        with SCALE_IN_EXP2 the unscaled products (the scale goes into the exponent); -inf outside the band and past
+        the keys where MASKED, a runtime flag here (only the band's edge blocks and the keys' ragged end pay for the
+        mask), where common.scores takes a constexpr."""
         if HAS_SOFTCAP:
-            e = gl.exp(-2.0 * gl.abs(s * softcap_scale))
-            t = (1.0 - e) / (1.0 + e)
-            s = gl.where(s < 0, -t, t) * softcap_out
+            s = tanh(s * softcap_scale) * softcap_out
         elif not SCALE_IN_EXP2:
             s = s * score_scale
         if HAS_ALIBI:
             distance = gl.abs(offs_m[:, None] + diagonal_offset - offs_n[None, :]).to(gl.float32)
             s = s - slope * distance
         if MASKED:
-            last_key = gl.where(offs_m < seqlen_q, seqlen_k - 1, -1)
-            if HAS_RIGHT:
-                last_key = gl.minimum(last_key, offs_m + diagonal_offset + window_right)
-            allowed = offs_n[None, :] <= last_key[:, None]
-            if HAS_LEFT:
-                allowed = allowed & (offs_n[None, :] >= (offs_m + diagonal_offset - window_left)[:, None])
-            s = gl.where(allowed, s, float("-inf"))
+            s = band_mask(s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, diagonal_offset, window_left,
+                          window_right, HAS_LEFT, HAS_RIGHT)
         return s
 
     @gluon.jit
@@ -256,7 +230,7 @@ if AVAILABLE:
             b = bh // nheads
             h = bh % nheads
             m0 = m_block * BLOCK_M
-            lo, full_lo, full_hi, hi = _key_range(m0, seqlen_k, diagonal_offset, window_left, window_right,
+            lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             row0 = m0 + WG * 64
             offs_m = row0 + gl.arange(0, 64, layout=row_layout)
@@ -304,7 +278,7 @@ if AVAILABLE:
                         # the scores alone: the previous block's P V keeps running under this block's softmax. Its
                         # register operand P is not passed through the waits: ptxas tracks the registers of an
                         # in-flight wgmma itself (and would serialise wgmma, with a warning, where it could not),
-                        # while passing P added 96 register moves to each iteration (triton 3.6) and made the
+                        # while passing P added 96 register moves to the compiled kernel (triton 3.6) and made the
                         # three-consumer variant spill under 3.9
                         s = warpgroup_mma_wait(1, deps=[s])
                         mbarrier.arrive(k_empty.index(stage), count=1)
@@ -386,36 +360,6 @@ if AVAILABLE:
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer_first(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                        HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr):
-        """The first consumer warpgroup (rows 0-63 of each tile)."""
-        _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, SHARE_QO, 0)
-
-    @gluon.jit
-    def _consumer_second(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr):
-        """The second consumer warpgroup (rows 64-127 of each tile)."""
-        _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, SHARE_QO, 1)
-
-    @gluon.jit
-    def _consumer_third(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                         OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr):
-        """The second consumer warpgroup (rows 128-191 of each tile, with three)."""
-        _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                  HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG, TILE_LIST, SHARE_QO, 2)
-
-    @gluon.jit
     def attention_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, o_desc, Lse, Slopes, TileList, TileStarts,
         stride_lse_b, stride_lse_h, stride_slopes_b,
@@ -469,30 +413,31 @@ if AVAILABLE:
         # call helpers on distributed tensors (the consumers' softmax); the loads need none. The constexprs go in
         # the partitions' argument lists themselves: put in a tuple first, they reach the partitions as tensors
         # (docs/compiler-workarounds.md)
+        # one consumer function for every consumer warpgroup, its index WG the last argument
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST, SHARE_QO)),
-                (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST, SHARE_QO)),
-                (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST, SHARE_QO)),
-            ], [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO, 0)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO, 1)),
+            ], [4, 4], [CONSUMER_REGISTERS] * 2)
         else:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST, SHARE_QO)),
-                (_consumer_first, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST, SHARE_QO)),
-                (_consumer_second, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST, SHARE_QO)),
-                (_consumer_third, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                                TILE_LIST, SHARE_QO)),
-            ], [4, 4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, CONSUMER_REGISTERS])
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO, 0)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO, 1)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO, 2)),
+            ], [4, 4, 4], [CONSUMER_REGISTERS] * 3)

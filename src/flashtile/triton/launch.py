@@ -45,10 +45,6 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _block_width(dim: int) -> int:
-    return max(16, _next_power_of_2(dim))
-
-
 def _forward_widths(flags: dict) -> dict:
     """The score flags for a kernel that streams K and V tiles through a pipelined loop (the forwards, decode).
 
@@ -96,8 +92,8 @@ def _score_constants(problem: AttentionProblem, mask_kind: int, precision: str) 
     # scale of the final scores in base 2; with softcap, tanh(q.k * softcap_scale) * softcap_out
     scalars = (problem.softmax_scale, problem.softmax_scale * LOG2E, problem.softmax_scale / softcap,
                softcap * LOG2E, problem.diagonal_offset, max(problem.window_left, 0), max(problem.window_right, 0))
-    flags = dict(HEADDIM=problem.headdim, HEADDIM_V=problem.headdim_v, BLOCK_D=_block_width(problem.headdim),
-                 BLOCK_DV=_block_width(problem.headdim_v), HAS_LEFT=problem.window_left >= 0,
+    flags = dict(HEADDIM=problem.headdim, HEADDIM_V=problem.headdim_v, BLOCK_D=configs.padded_width(problem.headdim),
+                 BLOCK_DV=configs.padded_width(problem.headdim_v), HAS_LEFT=problem.window_left >= 0,
                  HAS_RIGHT=problem.window_right >= 0, HAS_SOFTCAP=problem.softcap > 0,
                  HAS_ALIBI=problem.has_alibi, MASK_KIND=mask_kind, DOT_PRECISION=precision)
     flags["SCALE_IN_EXP2"] = _scale_in_exp2(problem, flags)
@@ -239,7 +235,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     """
     p = problem
     cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
-    if tiles.forward_schedule == 3 and not gluon_unserved(q, k, v, attn_mask, p, tiles.gluon_tile, varlen):
+    if tiles.forward_schedule == 3 and not gluon_unserved(q, k, v, p, tiles.gluon_tile):
         return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile)
     out, lse = _outputs(q, p, varlen)
     if (out.numel() == 0 and lse.numel() == 0) or p.batch == 0:
@@ -292,13 +288,12 @@ def _gluon_plan(problem: AttentionProblem, tile: GluonTile) -> tuple[str, int, b
             configs.gluon_shares_qo(problem, tile))
 
 
-def gluon_unserved(q, k, v, attn_mask, problem: AttentionProblem, tile: GluonTile, packed: bool) -> str:
-    """Why the Gluon forward cannot run this call ('' when it can): configs.gluon_unserved_reason, then the tensors."""
+def gluon_unserved(q, k, v, problem: AttentionProblem, tile: GluonTile) -> str:
+    """Why the Gluon forward cannot run this call ('' when it can): configs.gluon_unserved_reason (the problem's
+    attn_mask and packing included), then the tensors."""
     reason = _gluon_plan(problem, tile)[0]
     if reason:
         return reason
-    if attn_mask is not None or packed:
-        return "an attn_mask or packed sequences run the Triton kernels"
     if not _tma_ready((q, k, v), None):
         return "TMA needs 16-byte aligned base addresses and strides and non-empty tensors"
     return ""
@@ -337,16 +332,19 @@ def _key_blocks(m0: int, block_m: int, block_n: int, seqlen_k: int, diagonal_off
 
 @functools.lru_cache(maxsize=256)
 def _dealt_tiles(device: torch.device, programs: int, query_blocks: int, batch_heads: int, group_heads: int,
-                 longest_first: bool, costs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_m: int, block_n: int, seqlen_k: int, diagonal_offset: int, window_left: int, window_right: int,
+                 has_left: bool, has_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(TileList, TileStarts) for the Gluon forward's balanced persistent grid: the tiles in the kernel's order
-    (fwd_gluon._tile_coordinates), each dealt to the CTA with the least work so far (list scheduling; the order is
-    longest first within groups of heads, so this is LPT within each group). CTA p takes TileList[TileStarts[p] ..
-    TileStarts[p + 1]) in that order. costs[m_block]: key blocks of a query block, plus one for its prologue and
-    epilogue. Built on the host once per shape and kept on the device."""
+    (fwd_gluon._tile_coordinates; longest first within groups of heads where has_right), each dealt to the CTA with
+    the least work so far (list scheduling, so LPT within each group). CTA p takes TileList[TileStarts[p] ..
+    TileStarts[p + 1]) in that order. A query block's work: its key blocks, plus one for its prologue and epilogue.
+    Built on the host once per shape and kept on the device."""
+    costs = [1 + _key_blocks(m * block_m, block_m, block_n, seqlen_k, diagonal_offset, window_left, window_right,
+                             has_left, has_right) for m in range(query_blocks)]
     loads = [(0, cta) for cta in range(programs)]
     dealt: list[list[int]] = [[] for _ in range(programs)]
     for tile in range(query_blocks * batch_heads):
-        if longest_first:
+        if has_right:
             group, within = divmod(tile, group_heads * query_blocks)
             heads = min(group_heads, batch_heads - group * group_heads)
             m_block = query_blocks - 1 - within // heads
@@ -381,11 +379,9 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     group_heads = max(1, min(p.batch * p.nheads, GLUON_L2_GROUP_BYTES // max(1, head_bytes)))
     tile_list = tile.persistent and tile.balanced
     if tile_list:
-        costs = tuple(1 + _key_blocks(m * tile.block_m, tile.block_m, block_n, p.seqlen_k, diagonal_offset,
-                                      window_left, window_right, flags["HAS_LEFT"], flags["HAS_RIGHT"])
-                      for m in range(query_blocks))
-        dealt, starts = _dealt_tiles(q.device, programs, query_blocks, p.batch * p.nheads, group_heads,
-                                     flags["HAS_RIGHT"], costs)
+        dealt, starts = _dealt_tiles(q.device, programs, query_blocks, p.batch * p.nheads, group_heads, tile.block_m,
+                                     block_n, p.seqlen_k, diagonal_offset, window_left, window_right,
+                                     flags["HAS_LEFT"], flags["HAS_RIGHT"])
     else:
         dealt = starts = lse  # never read
     launch(
