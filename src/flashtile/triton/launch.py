@@ -18,6 +18,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .._geometry import visible_key_range
 from .._validate import AttentionProblem
 from .common import LOG2E
 from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
@@ -319,28 +320,21 @@ def _gluon_heads_view(t: torch.Tensor, block_rows: int, block_width: int):
     return descriptor
 
 
-def _key_blocks(m0: int, block_m: int, block_n: int, seqlen_k: int, diagonal_offset: int, window_left: int,
-                window_right: int, has_left: bool, has_right: bool) -> int:
-    """Key blocks the Gluon forward visits for query rows [m0, m0 + block_m) (fwd_gluon._key_range's lo and hi)."""
-    lo, hi = 0, seqlen_k
-    if has_left:
-        lo = max(m0 + diagonal_offset - window_left, 0) // block_n * block_n
-    if has_right:
-        hi = min(m0 + block_m + diagonal_offset + window_right, seqlen_k)
-    return max(0, _cdiv(hi - lo, block_n))
-
-
 @functools.lru_cache(maxsize=256)
-def _dealt_tiles(device: torch.device, programs: int, query_blocks: int, batch_heads: int, group_heads: int,
-                 block_m: int, block_n: int, seqlen_k: int, diagonal_offset: int, window_left: int, window_right: int,
-                 has_left: bool, has_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _dealt_tiles(device: torch.device, problem: AttentionProblem, programs: int, block_m: int, block_n: int,
+                 group_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(TileList, TileStarts) for the Gluon forward's balanced persistent grid: the tiles in the kernel's order
-    (fwd_gluon._tile_coordinates; longest first within groups of heads where has_right), each dealt to the CTA with
-    the least work so far (list scheduling, so LPT within each group). CTA p takes TileList[TileStarts[p] ..
-    TileStarts[p + 1]) in that order. A query block's work: its key blocks, plus one for its prologue and epilogue.
-    Built on the host once per shape and kept on the device."""
-    costs = [1 + _key_blocks(m * block_m, block_m, block_n, seqlen_k, diagonal_offset, window_left, window_right,
-                             has_left, has_right) for m in range(query_blocks)]
+    (fwd_gluon._tile_coordinates; longest first within groups of heads with a band closing on the right), each dealt
+    to the CTA with the least work so far (list scheduling, so LPT within each group). CTA p takes
+    TileList[TileStarts[p] .. TileStarts[p + 1]) in that order. A query block's work: the key blocks it visits
+    (from its first visible key's block on, as the kernel's key_block_bounds), plus one for its prologue and
+    epilogue. Built on the host once per shape and kept on the device."""
+    query_blocks, batch_heads = _cdiv(problem.seqlen_q, block_m), problem.batch * problem.nheads
+    has_right = problem.window_right >= 0
+    costs = []
+    for m in range(query_blocks):
+        lo, hi = visible_key_range(problem, m * block_m, (m + 1) * block_m)
+        costs.append(1 + _cdiv(hi - lo // block_n * block_n, block_n))
     loads = [(0, cta) for cta in range(programs)]
     dealt: list[list[int]] = [[] for _ in range(programs)]
     for tile in range(query_blocks * batch_heads):
@@ -379,9 +373,7 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     group_heads = max(1, min(p.batch * p.nheads, GLUON_L2_GROUP_BYTES // max(1, head_bytes)))
     tile_list = tile.persistent and tile.balanced
     if tile_list:
-        dealt, starts = _dealt_tiles(q.device, programs, query_blocks, p.batch * p.nheads, group_heads, tile.block_m,
-                                     block_n, p.seqlen_k, diagonal_offset, window_left, window_right,
-                                     flags["HAS_LEFT"], flags["HAS_RIGHT"])
+        dealt, starts = _dealt_tiles(q.device, p, programs, tile.block_m, block_n, group_heads)
     else:
         dealt = starts = lse  # never read
     launch(
