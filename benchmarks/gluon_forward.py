@@ -2,7 +2,8 @@
 times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's Triton forward.
 
     python benchmarks/gluon_forward.py check          # every option against the oracle (the 2x eager rule)
-    python benchmarks/gluon_forward.py time [CELLS]   # the 12-cell grid (or CELLS like d128n4096c1,d64n1024c0)
+    python benchmarks/gluon_forward.py time [CELLS|all] [SETTINGS]  # the 12-cell grid (or CELLS like
+                                                      # d128n4096c1,d64n1024c0), each setting (like c2s2o1p1,c3s2o0p0)
     python benchmarks/gluon_forward.py reruns N       # N reruns of a few shapes: no NaN, no changed bit
     python benchmarks/gluon_forward.py small          # small cases of every setting, for compute-sanitizer
 
@@ -208,8 +209,8 @@ def small() -> bool:
     """A few small cases in each setting of the Gluon forward (ragged ends, causal with masked rows, GQA, a window,
     ALiBi), each checked against the oracle: short enough for compute-sanitizer's memcheck and racecheck."""
     G = launch.GluonTile
-    tiles = [G(), G(overlap=False), G(pingpong=True), G(persistent=False), G(pingpong=True, persistent=False),
-             G(consumers=3), G(balanced=True)]
+    tiles = [G(), G(overlap=False), G(pingpong=True), G(persistent=False),
+             G(consumers=3, overlap=False, persistent=False), G(consumers=3), G(balanced=True)]
     ok = True
     for t, tile in enumerate(tiles):
         for i, (shape, options) in enumerate([((1, 200, 150, 4, 2, 64, 64), dict(causal=True)),
@@ -222,6 +223,20 @@ def small() -> bool:
         q, k, v = _inputs(1, 90, 90, 2, 2, 64, 64, torch.float16, seed=100 + t)
         ok &= check_case(f"small {tile} alibi", q, k, v, torch.rand(2, device=DEVICE), tile=tile, causal=True)
     return ok
+
+
+G = launch.GluonTile
+
+
+def _variants(text):
+    """Settings named as in the timing rows, comma-separated: c<consumers>s<stages>o<overlap>p<grid>, grid 0 one CTA
+    per tile, 1 persistent in snake order, 2 persistent with the launcher's deal; e.g. c2s2o1p1,c3s2o0p0."""
+    tiles = []
+    for name in text.split(","):
+        consumers, stages, overlap, grid = (int(c) for c in name[1::2])
+        tiles.append(G(consumers=consumers, num_stages=stages, overlap=bool(overlap), persistent=grid > 0,
+                       balanced=grid == 2))
+    return tiles
 
 
 def _cells(text):
@@ -242,14 +257,12 @@ if __name__ == "__main__":
         dtypes = (torch.bfloat16,) if len(sys.argv) > 3 else (torch.bfloat16, torch.float16)
         sys.exit(0 if check(tiles, dtypes) else 1)
     if mode == "time":
-        G = launch.GluonTile
-        variants = [G(overlap=False, persistent=False, pingpong=False), G(overlap=False, persistent=False),
-                    G(persistent=False, pingpong=False), G(persistent=False), G(pingpong=False), G(),
-                    G(num_stages=3, pingpong=False), G(num_stages=3, persistent=False, pingpong=False),
-                    G(consumers=3), G(consumers=3, num_stages=3), G(consumers=3, persistent=False),
-                    G(consumers=3, overlap=False, persistent=False), G(balanced=True), G(balanced=True, overlap=False),
-                    G(consumers=3, balanced=True)]
-        timing(_cells(sys.argv[2] if len(sys.argv) > 2 else ""), variants)
+        variants = _variants(sys.argv[3]) if len(sys.argv) > 3 else [
+            G(overlap=False, persistent=False), G(persistent=False), G(), G(num_stages=3),
+            G(num_stages=3, persistent=False), G(consumers=3), G(consumers=3, num_stages=3),
+            G(consumers=3, persistent=False), G(consumers=3, overlap=False, persistent=False),
+            G(balanced=True), G(balanced=True, overlap=False), G(consumers=3, balanced=True)]
+        timing(_cells(sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "all" else ""), variants)
     if mode == "small":
         sys.exit(0 if small() else 1)
     if mode == "reruns":

@@ -19,8 +19,8 @@
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward and the table's TMA forward + backward
 #                                             # rerun beside the GPU suite, counting runs that differ bitwise from the
 #                                             # first (ws_determinism.py --stress)
-#   bash benchmarks/h200_runbook.sh gluonstress  # the Gluon forward rerun beside the GPU suite, two processes without
-#                                             # and two with a causal band (ws_determinism.py --stress --target gluon)
+#   bash benchmarks/h200_runbook.sh gluonstress  # the Gluon forward rerun (four processes: d = 128 and d = 64, without
+#                                             # and with a causal band) beside the GPU suite and compute-sanitizer
 # Robustness checks of their own (one-query / one-key shapes, memcheck of padded head dims): benchmarks/gpu_checks.sh.
 set -u
 stage=${1:?stage: tests, grid128, grid64, decode, host, wsstress or gluonstress}
@@ -79,13 +79,21 @@ case $stage in
     wait
     tail -2 "$out/tests.txt"; grep -h "stress:\|differs" "$out"/stress*.txt ;;
   gluonstress)
-    FLASHTILE_TEST_DEVICE=cuda timeout 330 python -m pytest -q -n 11 -p no:cacheprovider tests \
+    # the GPU suite (cut at 240 s), four rerun processes (the Gluon forward at d = 128 without and with a causal band
+    # and at d = 64 at the table's three-consumer and dealt settings) and compute-sanitizer over small cases of each
+    # Gluon setting, all at once
+    FLASHTILE_TEST_DEVICE=cuda timeout 240 python -m pytest -q -n 6 -p no:cacheprovider tests \
       --ignore=tests/test_triton_compile.py --ignore=tests/test_gluon_compile.py > "$out/tests.txt" 2>&1 &
-    for target in gluon gluon-causal; do
-      for i in 1 2; do timeout 330 python benchmarks/ws_determinism.py --stress 300 --target $target \
-        > "$out/stress-$target$i.txt" 2>&1 & done
+    for target in gluon gluon-causal gluon-d64 gluon-d64-causal; do
+      timeout 250 python benchmarks/ws_determinism.py --stress 225 --target $target > "$out/stress-$target.txt" 2>&1 &
     done
+    ( timeout 60 python benchmarks/gluon_forward.py small > "$out/small.txt" 2>&1
+      for tool in memcheck racecheck; do
+        timeout 95 compute-sanitizer --tool $tool --error-exitcode 1 python benchmarks/gluon_forward.py small \
+          > "$out/gluon-$tool.txt" 2>&1
+      done ) &
     wait
-    tail -2 "$out/tests.txt"; grep -h "stress:\|differs" "$out"/stress*.txt ;;
+    tail -2 "$out/tests.txt"; grep -h "stress\|differs" "$out"/stress*.txt
+    grep -h "SUMMARY" "$out"/gluon-*check.txt ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -21,6 +21,7 @@ a race that only shows under contention (benchmarks/h200_runbook.sh wsstress run
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -41,22 +42,26 @@ SHAPES = [  # batch, seqlen, nheads, nheads_k, headdim, causal
 WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_stages=2)  # the fastest measured
 
 
-# what --stress reruns (tiles forced, with the backward, causal): the warp-specialized forward at its fastest tiles;
-# as a control for its race, the table's TMA schedules at d = 128 and 4k keys (forward schedule 1, backward schedule
-# 3, host-side descriptors); the Gluon forward (schedule 3) at the table's settings, without and with a causal band
-STRESS_TARGETS = {"ws": (WS_TILES, False, False), "table-tma": ({"forward_schedule": 1}, True, False),
-                  "gluon": ({"forward_schedule": 3}, False, False),
-                  "gluon-causal": ({"forward_schedule": 3}, False, True)}
+# what --stress reruns (tiles forced, with the backward, causal, head dim, shapes as (batch, seqlen, nheads,
+# nheads_k)): the warp-specialized forward at its fastest tiles; as a control for its race, the table's TMA schedules
+# at d = 128 and 4k keys (forward schedule 1, backward schedule 3, host-side descriptors); the Gluon forward
+# (schedule 3) at the table's settings, without and with a causal band, at d = 128 (two consumers) and d = 64 (three
+# consumers from 4k keys without a band and at 16k with one; two with the launcher's deal at 4k with one)
+SHORT = ((2, 2048, 16, 4), (4, 1024, 16, 16))
+STRESS_TARGETS = {"ws": (WS_TILES, False, False, 128, SHORT),
+                  "table-tma": ({"forward_schedule": 1}, True, False, 128, ((1, 4096, 16, 4), (2, 4096, 8, 8))),
+                  "gluon": ({"forward_schedule": 3}, False, False, 128, SHORT),
+                  "gluon-causal": ({"forward_schedule": 3}, False, True, 128, SHORT),
+                  "gluon-d64": ({}, False, False, 64, ((1, 4096, 16, 4), (1, 16384, 8, 8))),
+                  "gluon-d64-causal": ({}, False, True, 64, ((1, 4096, 16, 4), (1, 16384, 8, 8)))}
 
 
 def stress(seconds: float, target: str = "ws") -> None:
-    """Rerun `target` for `seconds`: the warp-specialized forward (128 x 128 tiles, no element mask), or the
-    table's forward + backward at 4k keys (TMA forward and backward); report the runs whose out or lse (and
-    gradients) differ bitwise from the first, and by how much."""
-    tiles, backward, causal = STRESS_TARGETS[target]
+    """Rerun `target` for `seconds` (STRESS_TARGETS); report the runs whose out or lse (and gradients) differ
+    bitwise from the first, and by how much."""
+    tiles, backward, causal, headdim, shapes = STRESS_TARGETS[target]
     device = torch.device("cuda")
     torch.manual_seed(0)
-    shapes = ((2, 2048, 16, 4), (4, 1024, 16, 16)) if not backward else ((1, 4096, 16, 4), (2, 4096, 8, 8))
 
     def call(q, k, v):
         out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, causal=causal)
@@ -66,10 +71,14 @@ def stress(seconds: float, target: str = "ws") -> None:
 
     cases = []
     for batch, seqlen, nheads, nheads_k in shapes:
-        q, k, v = (torch.randn(batch, seqlen, heads, 128, device=device, dtype=torch.bfloat16,
+        q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=device, dtype=torch.bfloat16,
                                requires_grad=backward) for heads in (nheads, nheads_k, nheads_k))
         with flashtile.use_backend("triton", **tiles):
             cases.append(((q, k, v), call(q, k, v)))
+    with flashtile.use_backend("triton", **tiles):
+        kernels = sorted({re.search(r"tiles: forward \((attention_\w+)", flashtile.explain(*inputs, causal=causal))
+                          .group(1) for inputs, _ in cases})
+    print(f"stress {target}: forward kernels {kernels}", flush=True)
     runs = differing = with_nan = 0
     end = time.monotonic() + seconds
     with flashtile.use_backend("triton", **tiles):
@@ -92,7 +101,7 @@ def main() -> None:
     parser.add_argument("--stress", type=float, default=0.0, help="seconds of reruns (see --target)")
     parser.add_argument("--target", default="ws", choices=sorted(STRESS_TARGETS),
                         help="ws: the warp-specialized forward; table-tma: the table's TMA forward + backward; gluon, "
-                             "gluon-causal: the Gluon forward")
+                             "gluon-causal, gluon-d64, gluon-d64-causal: the Gluon forward at the table's settings")
     args = parser.parse_args()
     if args.stress > 0:
         stress(args.stress, args.target)

@@ -35,7 +35,7 @@ def table_problems():
     cases = []
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         for headdim in (64, 128):
-            for seqlen in (1024, 16384):
+            for seqlen in (1024, 4096, 16384):
                 for causal in (False, True):
                     cases.append((f"{name} d{headdim} n{seqlen} causal {causal}",
                                   problem_for(seqlen, seqlen, headdim, headdim, dtype, causal)))

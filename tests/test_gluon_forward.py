@@ -23,10 +23,33 @@ HOPPER = (9, 0)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_the_sm90_table_takes_the_gluon_forward_where_it_measured_faster(headdim, seqlen, causal):
     tiles = configs.default_tiles(problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal), HOPPER)
-    triton_faster = headdim == 64 and causal and seqlen < 4096  # 309 against 283 TFLOP/s (configs._gluon_forward)
+    triton_faster = headdim == 64 and causal and seqlen < 4096  # measured even (configs._gluon_forward)
     assert tiles.forward_schedule == (1 if triton_faster else 3)
     # the Triton tile stays in the row for the calls the Gluon forward turns away
     assert tiles.block_m >= 64 and tiles.block_n >= 64 and tiles.num_warps >= 4
+
+
+# (consumers, stages, overlap, persistent, balanced) per cell where the table takes the Gluon forward
+GLUON_TABLE = {(64, 1024, False): (2, 3, 1, 1, 0), (64, 4096, False): (3, 2, 1, 1, 0),
+               (64, 16384, False): (3, 2, 1, 0, 0), (64, 4096, True): (2, 2, 1, 1, 1),
+               (64, 16384, True): (3, 2, 0, 0, 0),
+               **{(128, n, False): (2, 2, 1, 1, 0) for n in (1024, 4096, 16384)},
+               **{(128, n, True): (2, 2, 1, 1, 1) for n in (1024, 4096, 16384)}}
+
+
+@pytest.mark.parametrize("cell, settings", GLUON_TABLE.items(), ids=[f"d{d}-n{n}-{'causal' if c else 'full'}"
+                                                                      for d, n, c in GLUON_TABLE])
+def test_the_sm90_table_picks_the_measured_gluon_settings_per_cell(cell, settings, monkeypatch):
+    headdim, seqlen, causal = cell
+    problem = problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal)
+    tiles = configs.default_tiles(problem, HOPPER)
+    assert (tiles.gluon_consumers, tiles.gluon_stages, tiles.gluon_overlap, tiles.gluon_persistent,
+            tiles.gluon_balanced) == settings
+    assert tiles.gluon_pingpong == 0
+    # every setting the table picks is one the Gluon forward serves for the cell
+    _on_a_hopper(monkeypatch)
+    assert configs.gluon_unserved_reason(dataclasses.replace(problem, device=torch.device("cuda")),
+                                         tiles.gluon_tile) == ""
 
 
 @pytest.mark.parametrize("change", [
@@ -105,7 +128,8 @@ def test_explain_names_the_gluon_forward_and_its_settings(monkeypatch):
     assert described.endswith("forward visits 528 of 1024 tiles per (batch, head) (32 with an element mask)"), \
         described  # the Gluon forward's 128 x 128 tiles over 4k x 4k keys, causal
     assert ("BLOCK_M 128 (2 consumer warpgroups of 64 rows) x BLOCK_N 128, 2 K/V stages, with intra-warpgroup "
-            "overlap, without pingpong, one CTA per tile, 240 registers per consumer thread") in text
+            "overlap, without pingpong, a persistent grid, tiles dealt to the least loaded CTA, 240 registers per "
+            "consumer thread") in text
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="on a CPU: the Gluon forward cannot run there, so it turns the "

@@ -310,31 +310,46 @@ def _separate_ragged_end(problem: AttentionProblem) -> int:
 
 def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     """The Gluon forward's settings where the table takes it (forward_schedule 3), {} where it keeps the Triton
-    forward. All from raw/2026-12-01-h200-gluon-forward-snake-order-variants.jsonl (bf16, one run beside cuDNN and
-    flashtile's Triton forward; TFLOP/s):
-    - no band: overlap, persistent, no pingpong; 3 stages at d = 64 up to 4k keys (418 / 463 against 411 / 456 with
-      2). d = 128: 559 / 619 / 616 at 1k / 4k / 16k against the Triton forward's 445 / 496 / 508; d = 64: 418 / 463
-      / 466 against 382 / 430 / 440.
-    - causal (a band on the right only), d = 128: overlap without pingpong, persistent below 4k keys (1k: 382
-      against 281 with one CTA per tile; the Triton forward 367), one CTA per tile from 4k, where the persistent
-      grid's fixed deal of tiles lost (4k 544 / 16k 588 against 502 / 529; Triton 454 / 521).
-    - causal, d = 64 from 4k keys: neither overlap nor pingpong, one CTA per tile (402 / 452 against Triton's 394 /
-      417); below 4k keys the Triton forward stays (309 against 283).
+    forward. From runs of the settings on the 12-cell grid, bf16, beside cuDNN in the same run (TFLOP/s): run A
+    (raw/2026-12-02-h200-gluon-forward-settings.jsonl, 12 settings at 9 cells), run B (-settings-one-loop.jsonl, 3
+    settings at 12 cells), run C (-settings-loops-split-at-the-mask.jsonl: 10 settings of a build not kept, whose
+    block loop was split at the band's edges and whose P was converted two elements at a time: it read the same
+    within the runs' spread, and its conversion made the three-consumer tile spill under triton 3.9).
+    - no band, d = 128, and d = 64 below 4k queries or keys: two consumers, overlap, persistent in snake order, no
+      pingpong; 3 stages at d = 64 (1k: A 417 against 413 with 2 stages, C 402 against 411; cuDNN 432, 427). d = 128
+      1k / 4k / 16k, B: 546 / 604 / 616 against cuDNN 567 / 603 / 625.
+    - no band, d = 64 from 4k queries and keys: three consumers (192-row tiles), 2 stages, overlap; persistent in
+      snake order up to 16k (4k: A / B / C 479 / 469 / 481 against two consumers' 456 / 455 / 452, cuDNN 461 / 457 /
+      457), one CTA per tile from 16k (A / C 502 / 504, where the snake order read 498 / 445 / 506; cuDNN 468 / 456).
+      At 1k the third consumer's 192-row tiles leave a sixth of the last tile empty (A 384 against 413).
+    - causal (a band on the right only), d = 128: two consumers, overlap, tiles dealt by the launcher (longest first
+      onto the least loaded CTA): 1k / 4k / 16k, A / B: 427 / 425, 566 / 567, 604 / 607 against the snake order's
+      389 / 381, 510 / 499, 554 / 547 (cuDNN 430 / 423, 541 / 529, 586 / 558).
+    - causal, d = 64: at 4k keys as d = 128 (A / B 430 / 425 against one CTA per tile's 395 in A; cuDNN 423 / 415);
+      from 16k keys three consumers without overlap, one CTA per tile (A / C 484 / 470 against the dealt two
+      consumers' 460 / 444; cuDNN 442 / 438); below 4k keys the Triton forward stays (A / B 309 / 302 against the
+      dealt tiles' 308 / 307; cuDNN 335 / 331).
     - a left window edge: not measured, the Triton forward stays.
+    Between the measured lengths (2k, 8k) a rule holds from the measured length at which it starts.
     """
     served = (hopper and not problem.varlen and not problem.kvcache and problem.mask_kind is None
               and padded_width(problem.headdim) in (64, 128) and padded_width(problem.headdim_v) in (64, 128))
     if not served or problem.window_left >= 0:
         return {}
     wide = max(padded_width(problem.headdim), padded_width(problem.headdim_v)) == 128
+    base = dict(forward_schedule=3, gluon_stages=2, gluon_overlap=1, gluon_pingpong=0, gluon_persistent=1,
+                gluon_consumers=2, gluon_balanced=0)
     if not problem.is_banded:
-        stages = 3 if not wide and problem.seqlen_k <= 4096 else 2
-        return dict(forward_schedule=3, gluon_stages=stages, gluon_overlap=1, gluon_pingpong=0, gluon_persistent=1)
+        shortest = min(problem.seqlen_q, problem.seqlen_k)
+        if not wide and shortest >= 4096:
+            return dict(base, gluon_consumers=3, gluon_persistent=int(shortest < 16384))
+        return dict(base, gluon_stages=2 if wide else 3)
     if wide:
-        return dict(forward_schedule=3, gluon_stages=2, gluon_overlap=1, gluon_pingpong=0,
-                    gluon_persistent=int(problem.seqlen_k < 4096))
+        return dict(base, gluon_balanced=1)
+    if problem.seqlen_k >= 16384:
+        return dict(base, gluon_consumers=3, gluon_overlap=0, gluon_persistent=0)
     if problem.seqlen_k >= 4096:
-        return dict(forward_schedule=3, gluon_stages=2, gluon_overlap=0, gluon_pingpong=0, gluon_persistent=0)
+        return dict(base, gluon_balanced=1)
     return {}
 
 
