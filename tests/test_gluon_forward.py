@@ -72,7 +72,7 @@ def _on_a_hopper(monkeypatch):
     (dict(), ""),
     (dict(headdim=96, headdim_v=64), ""),  # pads to 128 / 64
     (dict(dtype=torch.float32), "it takes fp16 / bf16, not torch.float32"),
-    (dict(mask_kind="additive"), "a additive attn_mask runs the Triton kernels"),
+    (dict(mask_kind="additive"), "an attn_mask (additive) runs the Triton kernels"),
     (dict(varlen=True), "packed (varlen) batches run the Triton kernels"),
     (dict(kvcache=True), "KV-cache calls run the Triton kernels"),
     (dict(headdim=256, headdim_v=256), ""),  # 64-key blocks, the output staged in the query buffer

@@ -126,7 +126,7 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     if p.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes fp16 / bf16, not {p.dtype}"
     if p.mask_kind is not None:
-        return f"a {p.mask_kind} attn_mask runs the Triton kernels"
+        return f"an attn_mask ({p.mask_kind}) runs the Triton kernels"
     if p.varlen:
         return "packed (varlen) batches run the Triton kernels"
     if p.kvcache:
@@ -337,13 +337,14 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     if not served or problem.window_left >= 0:
         return {}
     wide = max(padded_width(problem.headdim), padded_width(problem.headdim_v)) == 128
-    base = dict(forward_schedule=3, gluon_stages=2, gluon_overlap=1, gluon_pingpong=0, gluon_persistent=1,
-                gluon_consumers=2, gluon_balanced=0)
+    # the gluon_* settings not named stay at TritonTiles' defaults: two consumers, 2 stages, overlap, persistent in
+    # snake order, no pingpong
+    base = dict(forward_schedule=3)
     if not problem.is_banded:
         shortest = min(problem.seqlen_q, problem.seqlen_k)
         if not wide and shortest >= 4096:
             return dict(base, gluon_consumers=3, gluon_persistent=int(shortest < 16384))
-        return dict(base, gluon_stages=2 if wide else 3)
+        return base if wide else dict(base, gluon_stages=3)
     if wide:
         return dict(base, gluon_balanced=1)
     if problem.seqlen_k >= 16384:

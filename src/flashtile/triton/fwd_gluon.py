@@ -178,6 +178,27 @@ if AVAILABLE:
         return p, alpha, m_new, l_new
 
     @gluon.jit
+    def _issue_scores(q_tile, k_block, s_layout: gl.constexpr):
+        """S = Q Kᵀ of one key block as an asynchronous wgmma, Q and K from shared memory; the caller waits."""
+        BLOCK_N: gl.constexpr = k_block.shape[2]
+        BLOCK_D: gl.constexpr = k_block.shape[3]
+        return warpgroup_mma(q_tile, k_block.reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
+                             gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _block_probabilities(s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope, masked,
+                             col_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr):
+        """The online-softmax step of the key block at n0 from its raw products s: (p, alpha, m_new, l_new) as
+        _softmax_update, the element mask applied where `masked` (the block straddles a band edge or the keys' end)."""
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
+        BLOCK_N: gl.constexpr = s.shape[1]
+        s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k, score_scale,
+                    softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, masked, HAS_LEFT,
+                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2)
+        return _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2)
+
+    @gluon.jit
     def _take_turn(my_turn, turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Wait until the other consumer has issued its matmuls (pingpong); consumer 0 starts. Returns turns + 1."""
         if PINGPONG:
@@ -247,19 +268,16 @@ if AVAILABLE:
                     stage = it % NUM_STAGES
                     mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
                     turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                    s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
-                                      gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
-                                      is_async=True)
+                    s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
                     _pass_turn(other_turn, PINGPONG)
                     s = warpgroup_mma_wait(0, deps=[s])
                     # the K block is read: release it (one thread arrives, past its wait; a warpgroup's wgmma is one
                     # collective operation, docs/compiler-workarounds.md)
                     mbarrier.arrive(k_empty.index(stage), count=1)
-                    s = _scores(s, offs_m, lo + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k,
-                                score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                                window_right, (lo < full_lo) | (lo >= full_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                HAS_ALIBI, SCALE_IN_EXP2)
-                    p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2)
+                    p, alpha, m_i, l_i = _block_probabilities(
+                        s, lo, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
+                        (lo < full_lo) | (lo >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                        SCALE_IN_EXP2)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     prev_stage = stage
                     prev_phase = (it // NUM_STAGES) & 1
@@ -269,9 +287,7 @@ if AVAILABLE:
                         mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
                         mbarrier.wait(v_ready.index(prev_stage), prev_phase)
                         turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                        s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
-                                          gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
-                                          is_async=True)
+                        s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
                         acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
                                             is_async=True)
                         _pass_turn(other_turn, PINGPONG)
@@ -282,11 +298,10 @@ if AVAILABLE:
                         # three-consumer variant spill under 3.9
                         s = warpgroup_mma_wait(1, deps=[s])
                         mbarrier.arrive(k_empty.index(stage), count=1)
-                        s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k,
-                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                                    window_right, (n0 < full_lo) | (n0 >= full_hi), HAS_LEFT, HAS_RIGHT,
-                                    HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2)
-                        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2)
+                        p, alpha, m_i, l_i = _block_probabilities(
+                            s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
+                            (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                            HAS_ALIBI, SCALE_IN_EXP2)
                         acc = warpgroup_mma_wait(0, deps=[acc])
                         mbarrier.arrive(v_empty.index(prev_stage), count=1)
                         acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
@@ -310,17 +325,14 @@ if AVAILABLE:
                         phase = (it // NUM_STAGES) & 1
                         mbarrier.wait(k_ready.index(stage), phase)
                         turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                        s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
-                                          gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
-                                          is_async=True)
+                        s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
                         _pass_turn(other_turn, PINGPONG)
                         s = warpgroup_mma_wait(0, deps=[s])
                         mbarrier.arrive(k_empty.index(stage), count=1)
-                        s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k,
-                                    score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
-                                    window_right, (n0 < full_lo) | (n0 >= full_hi), HAS_LEFT, HAS_RIGHT,
-                                    HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2)
-                        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2)
+                        p, alpha, m_i, l_i = _block_probabilities(
+                            s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
+                            (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                            HAS_ALIBI, SCALE_IN_EXP2)
                         acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
                         p_op = gl.convert_layout(p.to(dtype), p_layout)
                         mbarrier.wait(v_ready.index(stage), phase)

@@ -235,9 +235,9 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     out is then (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q).
     """
     p = problem
-    cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
     if tiles.forward_schedule == 3 and not gluon_unserved(q, k, v, p, tiles.gluon_tile):
         return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile)
+    cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
     out, lse = _outputs(q, p, varlen)
     if (out.numel() == 0 and lse.numel() == 0) or p.batch == 0:
         return out, lse
