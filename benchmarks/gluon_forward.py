@@ -1,11 +1,21 @@
 """The Gluon Hopper forward (fwd_gluon.py) on an H200: correctness against the float64 oracle, bitwise reruns, and
 times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's Triton forward.
 
-    python benchmarks/gluon_forward.py check          # every option against the oracle (the 2x eager rule)
+    python benchmarks/gluon_forward.py check [SETTINGS] [bf16]  # every option against the oracle (the 2x eager
+                                                      # rule), packed and dense batches, in each setting (default:
+                                                      # two consumers and three), fp16 and bf16 (or bf16 alone)
     python benchmarks/gluon_forward.py time [CELLS|all] [SETTINGS]  # the 12-cell grid (or CELLS like
-                                                      # d128n4096c1,d64n1024c0), each setting (like c2s2o1p1,c3s2o0p0)
+                                                      # d128n4096c1,d64n1024c0), each setting (like c2s2o1p1);
+                                                      # or groups "CELLS:SETTINGS;CELLS:SETTINGS" in one process
+    python benchmarks/gluon_forward.py varlen [SETTINGS]  # packed batches of mixed lengths: the Gluon forward in
+                                                      # each setting against the Triton forward, same call
     python benchmarks/gluon_forward.py reruns N       # N reruns of a few shapes: no NaN, no changed bit
+    python benchmarks/gluon_forward.py reruns-packed N  # the same for a packed batch
     python benchmarks/gluon_forward.py small          # small cases of every setting, for compute-sanitizer
+    python benchmarks/gluon_forward.py compile-time   # the first call's wall time (with an empty Triton cache)
+
+SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>, grid 0 one CTA per tile, 1 persistent
+in snake order, 2 persistent with the launcher's deal; e.g. c2s2o1p1,c3s2o0p0.
 
 Inputs are random from fixed seeds; times are triton.testing.do_bench medians in the FlashAttention benchmark
 convention (16,384 tokens per batch, model width 2048; forward FLOPs 4 B H N^2 d, halved for causal).
@@ -16,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 import sys
 import time
 
@@ -52,6 +63,111 @@ def gluon(q, k, v, slopes=None, tile=launch.GluonTile(), **options):
     reason = launch.gluon_unserved(q, k, v, problem, tile)
     assert not reason, reason
     return launch.forward_gluon(q, k, v, slopes, problem, tile)
+
+
+def gluon_packed(q, k, v, cu_q, cu_k, max_q, max_k, slopes=None, tile=launch.GluonTile(), **options):
+    """The Gluon forward of a packed batch: q (total_q, heads, d), k / v (total_k, heads_k, d), cu_seqlens int32."""
+    if slopes is not None and slopes.dim() == 1:
+        slopes = slopes[None]
+    problem = dataclasses.replace(problem_of(q[None, :max_q], k[None, :max_k], v[None, :max_k],
+                                             alibi=slopes is not None, **options),
+                                  batch=cu_q.numel() - 1, seqlen_q=max_q, seqlen_k=max_k, varlen=True,
+                                  diagonal_offset=0)
+    reason = launch.gluon_unserved(q[None], k[None], v[None], problem, tile)
+    assert not reason, reason
+    out, lse = launch.forward_gluon(q[None], k[None], v[None], slopes, problem, tile, cu_q, cu_k)
+    return out[0], lse[0]
+
+
+def _packed(lengths_q, lengths_k, heads, heads_k, d, dv, dtype, seed):
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(sum(lengths_q), heads, d, device=DEVICE, dtype=dtype, generator=generator)
+    k = torch.randn(sum(lengths_k), heads_k, d, device=DEVICE, dtype=dtype, generator=generator)
+    v = torch.randn(sum(lengths_k), heads_k, dv, device=DEVICE, dtype=dtype, generator=generator)
+    cu = [torch.tensor([0] + list(itertools.accumulate(lengths)), device=DEVICE, dtype=torch.int32)
+          for lengths in (lengths_q, lengths_k)]
+    return q, k, v, cu[0], cu[1]
+
+
+def _same_bits(a, b) -> bool:
+    """Bitwise equality, NaN included (a poisoned sequence's own rows are NaN)."""
+    return torch.equal(a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
+                       b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
+
+
+def check_packed_case(name, lengths_q, lengths_k, shape, tile, dtype, seed, slopes=None, poison=None,
+                      **options) -> bool:
+    """One packed batch against flash_attn_varlen_reference (the 2x eager rule), run twice bitwise. poison: the
+    index of a sequence whose K and V are set to inf, which must reach no other sequence."""
+    from flashtile.reference import flash_attn_varlen_reference
+
+    heads, heads_k, d, dv = shape
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, heads_k, d, dv, dtype, seed)
+    if poison is not None:
+        rows = slice(cu_k[poison].item(), cu_k[poison + 1].item())
+        k[rows] = float("inf")
+        v[rows] = float("inf")
+    try:
+        out, lse = gluon_packed(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), slopes, tile, **options)
+        again = gluon_packed(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), slopes, tile, **options)
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - every failure is reported
+        print(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:300]}", flush=True)
+        return False
+    ref = dict(causal=options.get("causal", False), window_size=options.get("window", (-1, -1)),
+               softcap=options.get("softcap", 0.0), alibi_slopes=slopes)
+    want, want_lse = flash_attn_varlen_reference(q, k, v, cu_q, cu_k, **ref)
+    eager, eager_lse = flash_attn_varlen_reference(q, k, v, cu_q, cu_k, dtype=dtype, **ref)
+    keep = torch.ones(q.shape[0], dtype=torch.bool, device=DEVICE)
+    if poison is not None:
+        keep[cu_q[poison].item():cu_q[poison + 1].item()] = False
+    failed = []
+    if not (_same_bits(out, again[0]) and _same_bits(lse, again[1])):
+        failed.append("rerun changed bits")
+    out, want, eager = out[keep], want[keep], eager[keep]
+    lse, want_lse, eager_lse = lse[:, keep], want_lse[:, keep], eager_lse[:, keep]
+    floor = 2 * torch.finfo(dtype).eps * max(1.0, want.abs().max().item() if want.numel() else 1.0)
+    if not torch.isfinite(out).all():
+        failed.append("non-finite out")
+    elif not _error(out, want) <= 2 * _error(eager, want) + floor:
+        failed.append(f"out {_error(out, want):.2e} > 2 x {_error(eager, want):.2e}")
+    finite = want_lse.isfinite()
+    if not torch.equal(finite, lse.isfinite()):
+        failed.append(f"lse -inf pattern ({(finite != lse.isfinite()).sum().item()} rows differ)")
+    elif finite.any():
+        e = _error(lse[finite], want_lse[finite])
+        if not e <= 2 * _error(eager_lse.float()[finite], want_lse[finite]) + 1e-5 * want_lse[finite].abs().max():
+            failed.append(f"lse {e:.2e}")
+    print(f"{name}: {'ok' if not failed else 'FAILED ' + '; '.join(failed)}", flush=True)
+    return not failed
+
+
+# packed batches: every length ragged against the tiles, a sequence without keys or queries, one of a single key,
+# long and short ones side by side (a tile of one runs past its end into the next)
+PACKED_CASES = [
+    ("mixed", [300, 1, 77, 1029, 64, 200], [300, 1, 77, 1029, 64, 200], (4, 2, 128, 128), {}),
+    ("mixed causal", [300, 1, 77, 1029, 64, 200], [300, 1, 77, 1029, 64, 200], (4, 2, 128, 128), {"causal": True}),
+    ("sq != sk causal, empty", [130, 0, 500, 7], [70, 33, 600, 0], (4, 4, 64, 64), {"causal": True}),
+    ("d64 window", [513, 129, 1000], [513, 129, 1000], (8, 1, 64, 64), {"window": (100, 30)}),
+    ("dv 64 d 128 softcap", [257, 191, 3], [300, 100, 5], (4, 2, 128, 64), {"softcap": 20.0}),
+    ("d 96", [250, 61], [250, 61], (4, 4, 96, 96), {"causal": True}),
+]
+
+
+def check_packed(tiles, dtypes=(torch.bfloat16, torch.float16)) -> bool:
+    ok = True
+    for tile in tiles:
+        for seed, (name, lengths_q, lengths_k, shape, options) in enumerate(PACKED_CASES):
+            for dtype in dtypes:
+                ok &= check_packed_case(f"{_name(tile)} packed {name} {dtype}", lengths_q, lengths_k, shape, tile,
+                                        dtype, seed, **options)
+        ok &= check_packed_case(f"{_name(tile)} packed alibi (nseq, nheads)", [300, 45, 700], [300, 45, 700],
+                                (4, 4, 64, 64), tile, torch.bfloat16, 50,
+                                slopes=torch.rand(3, 4, device=DEVICE), causal=True)
+        # another sequence's infinite keys and values reach no other sequence (0 * inf)
+        ok &= check_packed_case(f"{_name(tile)} packed inf next door", [100, 130, 70], [100, 130, 70],
+                                (4, 4, 128, 128), tile, torch.bfloat16, 51, poison=1)
+    return ok
 
 
 def _error(a, b) -> float:
@@ -98,6 +214,11 @@ def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v, dty
     return q, k, v
 
 
+def _name(tile) -> str:
+    return (f"c{tile.consumers}s{tile.num_stages}o{int(tile.overlap)}"
+            f"p{int(tile.persistent) + int(tile.persistent and tile.balanced)}" + ("pp" if tile.pingpong else ""))
+
+
 def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
     tiles = tiles or [launch.GluonTile()]
     ok = True
@@ -126,21 +247,26 @@ def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
         for dtype in dtypes:
             for i, (name, shape, options) in enumerate(cases):
                 q, k, v = _inputs(*shape, dtype, seed=i)
-                ok &= check_case(f"{tile} {dtype} {name}", q, k, v, tile=tile, **options)
+                if tile.consumers == 3 and max(shape[5:]) > 64:
+                    continue  # three consumers: a d <= 64 tile
+                ok &= check_case(f"{_name(tile)} {dtype} {name}", q, k, v, tile=tile, **options)
         # ALiBi (per head and per batch entry), large scores, a late maximum
         q, k, v = _inputs(2, 600, 700, 4, 4, 128, 128, torch.bfloat16, seed=100)
-        ok &= check_case(f"{tile} alibi (nheads,)", q, k, v, torch.rand(4, device=DEVICE), tile=tile, causal=True)
-        ok &= check_case(f"{tile} alibi (batch, nheads)", q, k, v, torch.rand(2, 4, device=DEVICE), tile=tile)
+        if tile.consumers == 3:
+            continue
+        ok &= check_case(f"{_name(tile)} alibi (nheads,)", q, k, v, torch.rand(4, device=DEVICE), tile=tile,
+                         causal=True)
+        ok &= check_case(f"{_name(tile)} alibi (batch, nheads)", q, k, v, torch.rand(2, 4, device=DEVICE), tile=tile)
         q, k, v = _inputs(2, 500, 1000, 4, 4, 128, 128, torch.bfloat16, seed=101, scale=30.0)
-        ok &= check_case(f"{tile} |scores| ~ 1e3", q, k, v, tile=tile)
+        ok &= check_case(f"{_name(tile)} |scores| ~ 1e3", q, k, v, tile=tile)
         q, k, v = _inputs(2, 500, 1000, 4, 4, 64, 64, torch.float16, seed=102)
         k[:, -3:] = q[:, :1].mean(dim=1, keepdim=True).expand(-1, 3, -1, -1) * 8  # the largest scores in the last tile
-        ok &= check_case(f"{tile} late maximum", q, k, v, tile=tile)
+        ok &= check_case(f"{_name(tile)} late maximum", q, k, v, tile=tile)
     return ok
 
 
 def _sdpa(backend):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     def run(q, k, v, causal):
         with sdpa_kernel([backend]):
@@ -157,7 +283,7 @@ def _bench(fn) -> float:
 def timing(cells, tiles) -> None:
     from torch.nn.attention import SDPBackend
 
-    cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
+    cudnn = _sdpa(SDPBackend.CUDNN_ATTENTION)
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     ms = _bench(lambda: a @ a)
     print(json.dumps({"matmul_8192_tflops": round(2 * 8192 ** 3 / ms / 1e9, 1)}), flush=True)
@@ -168,19 +294,16 @@ def timing(cells, tiles) -> None:
         flops = 4 * batch * heads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
         row = {"d": headdim, "n": seqlen, "causal": causal}
         problem = problem_of(q, k, v, causal=causal)
-        table = default_tiles(problem, (9, 0))
         row["cudnn"] = flops / _bench(lambda: cudnn(qt, kt, vt, causal)) / 1e9
-        row["fa2"] = flops / _bench(lambda: flash(qt, kt, vt, causal)) / 1e9
-        row["triton"] = flops / _bench(lambda: launch.forward(q, k, v, None, None, problem, table)) / 1e9
         for tile in tiles:
-            key = (f"c{tile.consumers} s{tile.num_stages} o{int(tile.overlap)} "
-                   f"p{int(tile.persistent) + int(tile.persistent and tile.balanced)} pp{int(tile.pingpong)}")
+            key = _name(tile)
             if configs.gluon_unserved_reason(problem, tile):
                 continue  # e.g. three consumers (160 registers each) at d > 64
             try:
                 row[key] = flops / _bench(lambda: gluon(q, k, v, tile=tile, causal=causal)) / 1e9
             except Exception as error:  # noqa: BLE001
                 row[key] = f"{type(error).__name__}: {str(error)[:200]}"
+        row["cudnn again"] = flops / _bench(lambda: cudnn(qt, kt, vt, causal)) / 1e9
         print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
@@ -205,6 +328,45 @@ def reruns(count: int) -> bool:
     return ok
 
 
+def reruns_packed(count: int) -> bool:
+    """`count` reruns of a packed batch (mixed lengths, d = 128, causal, the table's setting): no NaN, no changed
+    bit."""
+    lengths = [300, 1, 77, 1029, 64, 200, 2050, 513]
+    q, k, v, cu_q, cu_k = _packed(lengths, lengths, 16, 4, 128, 128, torch.bfloat16, 7)
+    out0, lse0 = gluon_packed(q, k, v, cu_q, cu_k, max(lengths), max(lengths), causal=True)
+    bad = 0
+    start = time.time()
+    for _ in range(count):
+        out, lse = gluon_packed(q, k, v, cu_q, cu_k, max(lengths), max(lengths), causal=True)
+        if not (torch.equal(out, out0) and torch.equal(lse, lse0)):
+            bad += 1
+    torch.cuda.synchronize()
+    nan = bool(torch.isnan(out0).any())
+    print(f"reruns packed {lengths}: {count} runs, {bad} changed, nan {nan}, {time.time() - start:.1f} s", flush=True)
+    return bad == 0 and not nan
+
+
+def compile_time() -> None:
+    """Wall time of the first call (Gluon's front end, ptxas, module load) and of the second, for the table's
+    forward at d = 128 and d = 64, 4k keys, causal; run with an empty TRITON_CACHE_DIR."""
+    import flashtile
+
+    for headdim in (128, 64):
+        q, k, v = _inputs(4, 4096, 4096, 2048 // headdim, 2048 // headdim, headdim, headdim, torch.bfloat16, seed=0)
+        times = []
+        with flashtile.use_backend("triton"):
+            kernel = flashtile.explain(q, k, v, causal=True)
+            for _ in range(2):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                flashtile.flash_attn_func(q, k, v, causal=True)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        name = "attention_fwd_gluon_kernel" if "attention_fwd_gluon_kernel" in kernel else "another kernel"
+        print(f"d {headdim} 4k causal ({name}): first call {times[0]:.2f} s, second {times[1] * 1e3:.2f} ms",
+              flush=True)
+
+
 def small() -> bool:
     """A few small cases in each setting of the Gluon forward (ragged ends, causal with masked rows, GQA, a window,
     ALiBi), each checked against the oracle: short enough for compute-sanitizer's memcheck and racecheck."""
@@ -221,6 +383,9 @@ def small() -> bool:
             ok &= check_case(f"small {tile} {shape} {options}", q, k, v, tile=tile, **options)
         q, k, v = _inputs(1, 90, 90, 2, 2, 64, 64, torch.float16, seed=100 + t)
         ok &= check_case(f"small {tile} alibi", q, k, v, torch.rand(2, device=DEVICE), tile=tile, causal=True)
+        if not tile.balanced and tile.consumers == 2:  # the packed batches' settings
+            ok &= check_packed_case(f"small {_name(tile)} packed", [70, 1, 150], [70, 5, 150], (2, 1, 64, 64), tile,
+                                    torch.bfloat16, 200 + t, causal=True)
     return ok
 
 
@@ -232,10 +397,44 @@ def _variants(text):
     per tile, 1 persistent in snake order, 2 persistent with the launcher's deal; e.g. c2s2o1p1,c3s2o0p0."""
     tiles = []
     for name in text.split(","):
-        consumers, stages, overlap, grid = (int(c) for c in name[1::2])
-        tiles.append(G(consumers=consumers, num_stages=stages, overlap=bool(overlap), persistent=grid > 0,
-                       balanced=grid == 2))
+        fields = {key: int(value) for key, value in re.findall(r"([a-z])(\d)", name)}
+        tiles.append(G(consumers=fields["c"], num_stages=fields["s"], overlap=bool(fields["o"]),
+                       persistent=fields["p"] > 0, balanced=fields["p"] == 2))
     return tiles
+
+
+def varlen_timing(tiles) -> None:
+    """Packed batches (16,384 tokens, lengths log-uniform in 64..4096, seeded), d = 64 and 128, causal or not: the
+    Gluon forward in each setting against the Triton forward on the same call, TFLOP/s of the real tokens."""
+    import math
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = []
+    while sum(lengths) < 16384:
+        lengths.append(int(math.exp(math.log(64) + (math.log(4096) - math.log(64)) * torch.rand(1, generator=generator)
+                                    .item())))
+    for headdim in (128, 64):
+        heads = 2048 // headdim
+        q, k, v, cu_q, cu_k = _packed(lengths, lengths, heads, heads, headdim, headdim, torch.bfloat16, 1)
+        for causal in (False, True):
+            flops = sum(4 * n * n * headdim * heads * (0.5 if causal else 1.0) for n in lengths)
+            problem = dataclasses.replace(problem_of(q[None, :max(lengths)], k[None, :max(lengths)],
+                                                     v[None, :max(lengths)], causal=causal),
+                                          batch=len(lengths), varlen=True, diagonal_offset=0)
+            table = default_tiles(dataclasses.replace(problem, varlen=True), (9, 0))
+            triton_tiles = dataclasses.replace(table, forward_schedule=1)
+            row = {"d": headdim, "causal": causal, "sequences": len(lengths), "tokens": sum(lengths)}
+            row["triton"] = flops / _bench(lambda: launch.forward(q[None], k[None], v[None], None, None, problem,
+                                                                 triton_tiles, cu_q, cu_k)) / 1e9
+            for tile in tiles:
+                if configs.gluon_unserved_reason(problem, tile):
+                    continue
+                try:
+                    row[_name(tile)] = flops / _bench(lambda: launch.forward_gluon(
+                        q[None], k[None], v[None], None, problem, tile, cu_q, cu_k)) / 1e9
+                except Exception as error:  # noqa: BLE001
+                    row[_name(tile)] = f"{type(error).__name__}: {str(error)[:200]}"
+            print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
 def _cells(text):
@@ -252,10 +451,19 @@ def _cells(text):
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "check":
-        tiles = [launch.GluonTile(overlap=sys.argv[2] == "overlap")] if len(sys.argv) > 2 else None
-        dtypes = (torch.bfloat16,) if len(sys.argv) > 3 else (torch.bfloat16, torch.float16)
-        sys.exit(0 if check(tiles, dtypes) else 1)
-    if mode == "time":
+        tiles = _variants(sys.argv[2]) if len(sys.argv) > 2 else [G(), G(consumers=3)]
+        dtypes = (torch.bfloat16,) if sys.argv[3:] == ["bf16"] else (torch.bfloat16, torch.float16)
+        ok = check_packed([tile for tile in tiles if not tile.balanced], dtypes)
+        ok &= check(tiles, dtypes)
+        sys.exit(0 if ok else 1)
+    if mode == "varlen":
+        varlen_timing(_variants(sys.argv[2]) if len(sys.argv) > 2 else [G(), G(num_stages=3), G(consumers=3)])
+    if mode == "time" and ":" in sys.argv[2]:
+        # groups CELLS:SETTINGS separated by ';', timed in one process
+        for group in sys.argv[2].split(";"):
+            cells, settings = group.split(":")
+            timing(_cells(cells), _variants(settings))
+    elif mode == "time":
         variants = _variants(sys.argv[3]) if len(sys.argv) > 3 else [
             G(overlap=False, persistent=False), G(persistent=False), G(), G(num_stages=3),
             G(num_stages=3, persistent=False), G(consumers=3), G(consumers=3, num_stages=3),
@@ -266,3 +474,7 @@ if __name__ == "__main__":
         sys.exit(0 if small() else 1)
     if mode == "reruns":
         sys.exit(0 if reruns(int(sys.argv[2])) else 1)
+    if mode == "compile-time":
+        compile_time()
+    if mode == "reruns-packed":
+        sys.exit(0 if reruns_packed(int(sys.argv[2])) else 1)

@@ -19,8 +19,9 @@
 #   bash benchmarks/h200_runbook.sh wsstress  # the warp-specialized forward and the table's TMA forward + backward
 #                                             # rerun beside the GPU suite, counting runs that differ bitwise from the
 #                                             # first (ws_determinism.py --stress)
-#   bash benchmarks/h200_runbook.sh gluonstress  # the Gluon forward rerun (four processes: d = 128 and d = 64, without
-#                                             # and with a causal band) beside the GPU suite and compute-sanitizer
+#   bash benchmarks/h200_runbook.sh gluonstress  # the Gluon forward's first-call compile time; its GPU tests beside
+#                                             # reruns (four dense processes: d = 128 and d = 64, without and with a
+#                                             # causal band; one packed batch) and compute-sanitizer; racecheck controls
 # Robustness checks of their own (one-query / one-key shapes, memcheck of padded head dims): benchmarks/gpu_checks.sh.
 set -u
 stage=${1:?stage: tests, grid128, grid64, decode, host, wsstress or gluonstress}
@@ -79,21 +80,29 @@ case $stage in
     wait
     tail -2 "$out/tests.txt"; grep -h "stress:\|differs" "$out"/stress*.txt ;;
   gluonstress)
-    # the GPU suite (cut at 240 s), four rerun processes (the Gluon forward at d = 128 without and with a causal band
-    # and at d = 64 at the table's three-consumer and dealt settings) and compute-sanitizer over small cases of each
-    # Gluon setting, all at once
-    FLASHTILE_TEST_DEVICE=cuda timeout 240 python -m pytest -q -n 6 -p no:cacheprovider tests \
-      --ignore=tests/test_triton_compile.py --ignore=tests/test_gluon_compile.py > "$out/tests.txt" 2>&1 &
+    # the first call's compile time (an empty Triton cache); then, all at once: the GPU tests of the Gluon forward and
+    # of packed batches, four rerun processes (the Gluon forward at d = 128 without and with a causal band and at
+    # d = 64 at the table's three-consumer and dealt settings) and one of a packed batch, and compute-sanitizer over
+    # small cases of each Gluon setting; then racecheck over the control kernels (1, 2, 3 worker warpgroups)
+    TRITON_CACHE_DIR=$(mktemp -d) timeout 60 python benchmarks/gluon_forward.py compile-time \
+      > "$out/compile-time.txt" 2>&1
+    cat "$out/compile-time.txt"
+    FLASHTILE_TEST_DEVICE=cuda timeout 300 python -m pytest -q -n 6 -p no:cacheprovider -rfE tests/test_gpu.py \
+      tests/test_varlen.py tests/test_gluon_forward.py > "$out/tests.txt" 2>&1 &
     for target in gluon gluon-causal gluon-d64 gluon-d64-causal; do
       timeout 250 python benchmarks/ws_determinism.py --stress 225 --target $target > "$out/stress-$target.txt" 2>&1 &
     done
-    ( timeout 60 python benchmarks/gluon_forward.py small > "$out/small.txt" 2>&1
-      for tool in memcheck racecheck; do
-        timeout 95 compute-sanitizer --tool $tool --error-exitcode 1 python benchmarks/gluon_forward.py small \
+    timeout 250 python benchmarks/gluon_forward.py reruns-packed 30000 > "$out/stress-packed.txt" 2>&1 &
+    ( for tool in memcheck racecheck; do
+        timeout 150 compute-sanitizer --tool $tool --error-exitcode 1 python benchmarks/gluon_forward.py small \
           > "$out/gluon-$tool.txt" 2>&1
       done ) &
     wait
-    tail -2 "$out/tests.txt"; grep -h "stress\|differs" "$out"/stress*.txt
-    grep -h "SUMMARY" "$out"/gluon-*check.txt ;;
+    for workers in 1 2 3; do
+      timeout 60 compute-sanitizer --tool racecheck python benchmarks/gluon_racecheck_control.py $workers \
+        > "$out/racecheck-control-$workers.txt" 2>&1
+    done
+    tail -2 "$out/tests.txt"; grep -h "^FAILED\|^ERROR" "$out/tests.txt" | head; grep -h "stress\|differs\|reruns" \
+      "$out"/stress*.txt; grep -h "SUMMARY\|FAILED" "$out"/gluon-*check.txt "$out"/racecheck-control-*.txt ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

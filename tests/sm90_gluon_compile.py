@@ -45,6 +45,14 @@ def table_problems():
         ("bf16 d128 alibi causal", problem_for(4096, 4096, 128, 128, torch.bfloat16, True, alibi=True)),
         ("bf16 d96 GQA", problem_for(4096, 4096, 96, 96, torch.bfloat16, False, nheads=8, nheads_k=2)),
     ]
+    # packed batches (the table takes the Gluon forward for them at d = 128)
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        for causal in (False, True):
+            cases.append((f"{name} d128 packed causal {causal}",
+                          dataclasses.replace(problem_for(1000, 1000, 128, 128, dtype, causal, batch=3), varlen=True)))
+    cases.append(("bf16 d128 dv64 packed causal GQA",
+                  dataclasses.replace(problem_for(1000, 900, 128, 64, torch.bfloat16, True, batch=3, nheads=8,
+                                                  nheads_k=2), varlen=True)))
     return cases
 
 
@@ -70,21 +78,28 @@ def extra_tiles():
             ("bf16 d128 softcap", dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
                                                     softcap=30.0), configs.GluonTile()),
             ("bf16 d64 window (64, 32)", dataclasses.replace(problem_for(4096, 4096, 64, 64, torch.bfloat16, False),
-                                                           window_left=64, window_right=32), configs.GluonTile())]
+                                                           window_left=64, window_right=32), configs.GluonTile()),
+            ("bf16 d64 packed window no overlap",
+             dataclasses.replace(problem_for(1000, 1000, 64, 64, torch.bfloat16, False, batch=3), varlen=True,
+                                 window_left=100, window_right=20), configs.GluonTile(overlap=False, num_stages=3))]
 
 
 def recorded_gluon_launch(problem, tile):
-    """The launch forward_gluon makes for `problem` under `tile`, recorded on CPU tensors."""
+    """The launch forward_gluon makes for `problem` under `tile`, recorded on CPU tensors (a packed batch: its
+    sequences of seqlen_q / seqlen_k rows each, packed)."""
     p = problem
-    q = torch.zeros(p.batch, p.seqlen_q, p.nheads, p.headdim, dtype=p.dtype)
-    k = torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim, dtype=p.dtype)
-    v = torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim_v, dtype=p.dtype)
+    rows = (1, p.batch * p.seqlen_q, p.batch * p.seqlen_k) if p.varlen else (p.batch, p.seqlen_q, p.seqlen_k)
+    q = torch.zeros(rows[0], rows[1], p.nheads, p.headdim, dtype=p.dtype)
+    k = torch.zeros(rows[0], rows[2], p.nheads_k, p.headdim, dtype=p.dtype)
+    v = torch.zeros(rows[0], rows[2], p.nheads_k, p.headdim_v, dtype=p.dtype)
+    cu = ([torch.arange(p.batch + 1, dtype=torch.int32) * n for n in (p.seqlen_q, p.seqlen_k)] if p.varlen
+          else [None, None])
     slopes = torch.ones(1, p.nheads) if p.has_alibi else None
     saved = launchers._sm_count
     launchers._sm_count = lambda device: 132  # an H200's SMs: the persistent grid's size
     try:
         with recorded_launches() as recorded:
-            launchers.forward_gluon(q, k, v, slopes, p, tile)
+            launchers.forward_gluon(q, k, v, slopes, p, tile, *cu)
     finally:
         launchers._sm_count = saved
     (launch,) = recorded
@@ -92,7 +107,7 @@ def recorded_gluon_launch(problem, tile):
 
 
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
-         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "CONSUMER_REGISTERS", "maxnreg")
+         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "CONSUMER_REGISTERS", "maxnreg")
 
 
 def ptxas_report(ptx: str) -> dict:

@@ -81,3 +81,12 @@ def test_the_table_keeps_the_triton_forward_where_it_was_faster(compiled):
     """d = 64 causal below 4k keys: the Triton forward measured faster (configs._gluon_forward)."""
     kept = sorted(row["label"] for row in compiled if "table" in row)
     assert kept == ["bf16 d64 n1024 causal True", "fp16 d64 n1024 causal True"]
+
+
+def test_packed_batches_compile_at_the_tables_setting_and_the_forced_ones(compiled):
+    """The table takes the Gluon forward for packed batches at d = 128 (both dtypes, with and without a causal band,
+    dv != d); a forced setting without overlap compiles too."""
+    packed = sorted(row["label"] for row in _variants(compiled) if row["constexprs"].get("VARLEN"))
+    assert packed == ["bf16 d128 dv64 packed causal GQA", "bf16 d128 packed causal False",
+                      "bf16 d128 packed causal True", "bf16 d64 packed window no overlap",
+                      "fp16 d128 packed causal False", "fp16 d128 packed causal True"], packed

@@ -54,7 +54,8 @@ def test_the_sm90_table_picks_the_measured_gluon_settings_per_cell(cell, setting
 
 @pytest.mark.parametrize("change", [
     dict(window_left=100, window_right=0),  # a left window edge: not measured
-    dict(varlen=True), dict(mask_kind="bool"), dict(dtype=torch.float32), dict(headdim=256, headdim_v=256),
+    dict(varlen=True, headdim=64, headdim_v=64),  # packed d = 64: the Triton forward measured faster
+    dict(mask_kind="bool"), dict(dtype=torch.float32), dict(headdim=256, headdim_v=256),
     dict(headdim=32, headdim_v=32)])
 def test_the_table_keeps_the_triton_forward_for_what_the_gluon_forward_does_not_take(change):
     problem = dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False), **change)
@@ -73,7 +74,7 @@ def _on_a_hopper(monkeypatch):
     (dict(headdim=96, headdim_v=64), ""),  # pads to 128 / 64
     (dict(dtype=torch.float32), "it takes fp16 / bf16, not torch.float32"),
     (dict(mask_kind="additive"), "an attn_mask (additive) runs the Triton kernels"),
-    (dict(varlen=True), "packed (varlen) batches run the Triton kernels"),
+    (dict(varlen=True), ""),
     (dict(kvcache=True), "KV-cache calls run the Triton kernels"),
     (dict(headdim=256, headdim_v=256), ""),  # 64-key blocks, the output staged in the query buffer
     (dict(headdim=256, headdim_v=128), "256-wide heads need d == dv (the output shares the query rows' buffer), "
@@ -84,6 +85,23 @@ def test_the_gluon_forward_names_why_it_turns_a_call_away(monkeypatch, change, r
     problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, True), device=torch.device("cuda"),
                                   **change)
     assert configs.gluon_unserved_reason(problem, configs.GluonTile()) == reason
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_the_table_takes_the_gluon_forward_for_packed_batches_at_d128(causal, monkeypatch):
+    problem = dataclasses.replace(problem_for(2000, 2000, 128, 128, torch.bfloat16, causal, batch=7), varlen=True)
+    tiles = configs.default_tiles(problem, HOPPER)
+    # the snake order: the launcher's deal would need the sequences' lengths, which stay on the GPU
+    assert tiles.forward_schedule == 3 and tiles.gluon_tile == configs.GluonTile()
+    _on_a_hopper(monkeypatch)
+    cuda_problem = dataclasses.replace(problem, device=torch.device("cuda"))
+    assert configs.gluon_unserved_reason(cuda_problem, tiles.gluon_tile) == ""
+    assert configs.gluon_unserved_reason(cuda_problem, configs.GluonTile(balanced=True)) == (
+        "the launcher's deal of tiles (gluon_balanced) needs the sequences' lengths on the host, which a packed batch "
+        "keeps on the GPU")
+    narrow = dataclasses.replace(cuda_problem, headdim=64, headdim_v=64)
+    assert configs.gluon_unserved_reason(narrow, configs.GluonTile(consumers=3)) == \
+        "three consumer warpgroups (160 registers each) spill with a packed batch's bookkeeping"
 
 
 def test_the_gluon_forward_needs_hopper_and_fitting_shared_memory(monkeypatch):

@@ -107,6 +107,61 @@ def test_gluon_forward_follows_the_oracle_and_repeats_its_bits(case, settings, s
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.bfloat16, seed)
 
 
+# Packed batches through the Gluon forward, forced in each of its settings that serve them (the launcher's deal and
+# three consumers do not): ragged sequences beside long ones (a tile of one runs past its end into the next, whose
+# rows it must neither read into its result nor overwrite), a sequence without keys, one of a single key, GQA,
+# dv != d, causal with seqlen_q != seqlen_k per sequence; a neighbour's infinite keys and values stay out of
+# every other sequence
+GLUON_PACKED_SETTINGS = {key: GLUON_SETTINGS[key] for key in ("table", "no-overlap", "pingpong", "one-cta-per-tile",
+                                                               "three-stages")}
+GLUON_PACKED_CASES = {
+    "mixed": (([300, 1, 77, 1029, 64, 200], [300, 1, 77, 1029, 64, 200]), (4, 2, 128, 128), {}),
+    "mixed-causal-rect": (([130, 0, 500, 7, 700], [70, 33, 600, 0, 900]), (8, 2, 128, 128), {"causal": True}),
+    "dv64-softcap": (([257, 191, 3], [300, 100, 5]), (4, 4, 128, 64), {"softcap": 20.0}),
+    "inf-next-door": (([100, 130, 70], [100, 130, 70]), (4, 4, 128, 128), {"causal": True, "poison": 1}),
+}
+
+
+@pytest.mark.parametrize("settings", GLUON_PACKED_SETTINGS.values(), ids=GLUON_PACKED_SETTINGS.keys())
+@pytest.mark.parametrize("case", GLUON_PACKED_CASES.values(), ids=GLUON_PACKED_CASES.keys())
+def test_gluon_forward_of_packed_batches_follows_the_oracle(case, settings, seed):
+    from flashtile.reference import flash_attn_varlen_reference
+
+    (lengths_q, lengths_k), (heads, heads_k, d, dv), options = case
+    kwargs = dict(options)
+    poison = kwargs.pop("poison", None)
+    dtype = torch.bfloat16
+    q = torch.randn(sum(lengths_q), heads, d, dtype=torch.float64).to(DEVICE, dtype)
+    k = torch.randn(sum(lengths_k), heads_k, d, dtype=torch.float64).to(DEVICE, dtype)
+    v = torch.randn(sum(lengths_k), heads_k, dv, dtype=torch.float64).to(DEVICE, dtype)
+    starts_q, starts_k = ([0] + torch.tensor(lengths).cumsum(0).tolist() for lengths in (lengths_q, lengths_k))
+    cu_q, cu_k = (torch.tensor(starts, dtype=torch.int32, device=DEVICE) for starts in (starts_q, starts_k))
+    keep = torch.ones(q.shape[0], dtype=torch.bool, device=DEVICE)
+    if poison is not None:
+        k[starts_k[poison]:starts_k[poison + 1]] = float("inf")
+        v[starts_k[poison]:starts_k[poison + 1]] = float("inf")
+        keep[starts_q[poison]:starts_q[poison + 1]] = False
+    call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k),
+                return_lse=True, **kwargs)
+    with flashtile.use_backend("triton", forward_schedule=3, **settings):
+        explained = flashtile.explain(q, k, v, api="flash_attn_varlen_func",
+                                      **{key: value for key, value in call.items() if key != "return_lse"})
+        assert "attention_fwd_gluon_kernel" in explained, explained
+        out, lse = flashtile.flash_attn_varlen_func(q, k, v, **call)
+        again = flashtile.flash_attn_varlen_func(q, k, v, **call)
+    assert torch.equal(out.view(torch.int16), again[0].view(torch.int16)) and \
+        torch.equal(lse.view(torch.int32), again[1].view(torch.int32)), "a rerun changed bits"
+    (ref_out, ref_lse), (eager_out, eager_lse) = (flash_attn_varlen_reference(q, k, v, cu_q, cu_k, **kwargs),
+                                                  flash_attn_varlen_reference(q, k, v, cu_q, cu_k, dtype=dtype,
+                                                                              **kwargs))
+    out, ref_out, eager_out = out[keep], ref_out[keep], eager_out[keep]
+    lse, ref_lse, eager_lse = lse[:, keep], ref_lse[:, keep], eager_lse[:, keep]
+    assert torch.isfinite(out).all(), "a non-finite value reached the output (another sequence's, through 0 * inf?)"
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), "rows that see no key must have lse -inf, and only those"
+    assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, dtype, seed)
+
+
 # Small ragged shapes at the tile table's own tiles (the small-shape suite forces 16 x 16 tiles): a padded
 # q/k head dim with a narrower value tile once made triton 3.6 read outside shared memory in the forward.
 NARROW_VALUE_SHAPES = {f"d40-dv{dv}": (1, 70, 37, 3, 1, 40, dv) for dv in (3, 8, 12, 16, 24)}

@@ -127,8 +127,9 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
         return f"it takes fp16 / bf16, not {p.dtype}"
     if p.mask_kind is not None:
         return f"an attn_mask ({p.mask_kind}) runs the Triton kernels"
-    if p.varlen:
-        return "packed (varlen) batches run the Triton kernels"
+    if p.varlen and tile.persistent and tile.balanced:
+        return ("the launcher's deal of tiles (gluon_balanced) needs the sequences' lengths on the host, which a "
+                "packed batch keeps on the GPU")
     if p.kvcache:
         return "KV-cache calls run the Triton kernels"
     widths = padded_width(p.headdim), padded_width(p.headdim_v)
@@ -139,6 +140,8 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
         return f"{tile.consumers} consumer warpgroups{pingpong}: it takes two or three, pingpong two"
     if tile.consumers == 3 and max(widths) > 64:
         return "three consumer warpgroups (160 registers each) take head widths up to 64"
+    if tile.consumers == 3 and p.varlen:
+        return "three consumer warpgroups (160 registers each) spill with a packed batch's bookkeeping"
     if max(widths) > 128 and widths[0] != widths[1]:
         return (f"256-wide heads need d == dv (the output shares the query rows' buffer), got {p.headdim} / "
                 f"{p.headdim_v}")
@@ -241,8 +244,8 @@ FORWARD_SCHEDULES = {
         "dense, there are keys and there is no attn_mask (opt-in and experimental: under triton 3.6 on an H200, "
         "beside other GPU processes, 3 of 382,482 reruns returned NaN; it warns when it runs)"),
     3: ("attention_fwd_gluon_kernel (Gluon, explicit warp roles: a load warpgroup streaming K/V by TMA, two "
-        "consumer warpgroups with asynchronous wgmma and P in registers) on sm_90 for fp16 / bf16 dense calls of "
-        "padded head widths 64 / 128 (256 with d == dv) without attn_mask; any other call takes "
+        "consumer warpgroups with asynchronous wgmma and P in registers) on sm_90 for fp16 / bf16 dense or packed "
+        "calls of padded head widths 64 / 128 (256 with d == dv) without attn_mask; any other call takes "
         "attention_fwd_tma_kernel as schedule 1"),
 }
 
@@ -330,9 +333,13 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
       consumers' 460 / 444; cuDNN 442 / 438); below 4k keys the Triton forward stays (A / B 309 / 302 against the
       dealt tiles' 308 / 307; cuDNN 335 / 331).
     - a left window edge: not measured, the Triton forward stays.
+    - packed batches (22 sequences of 64..4,096 tokens, 16,682 in all, raw/2026-12-02-h200-gluon-forward-packed.jsonl):
+      d = 128 two consumers, overlap, persistent in snake order (the launcher's deal needs the lengths on the host):
+      397.9 / 350.1 TFLOP/s non-causal / causal against the Triton forward's 362.1 / 292.4; d = 64 the Triton
+      forward stays (329.5 / 274.7 against 291.2 / 250.8).
     Between the measured lengths (2k, 8k) a rule holds from the measured length at which it starts.
     """
-    served = (hopper and not problem.varlen and not problem.kvcache and problem.mask_kind is None
+    served = (hopper and not problem.kvcache and problem.mask_kind is None
               and padded_width(problem.headdim) in (64, 128) and padded_width(problem.headdim_v) in (64, 128))
     if not served or problem.window_left >= 0:
         return {}
@@ -340,6 +347,8 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     # the gluon_* settings not named stay at TritonTiles' defaults: two consumers, 2 stages, overlap, persistent in
     # snake order, no pingpong
     base = dict(forward_schedule=3)
+    if problem.varlen:
+        return base if wide else {}
     if not problem.is_banded:
         shortest = min(problem.seqlen_q, problem.seqlen_k)
         if not wide and shortest >= 4096:

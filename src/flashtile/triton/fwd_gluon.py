@@ -20,18 +20,25 @@ row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
 
 The grid is min(#SMs, tiles) CTAs for a persistent launch, or one CTA per tile. A CTA takes one tile per wave of
 gl.num_programs(0) tiles, waves dealt in alternating directions (_tile_number), or with TILE_LIST the tiles the
-launcher dealt it; all roles walk the same sequence. With a band that closes on the right (causal) the tiles are
-ordered longest first within groups of heads whose K and V fit in L2; otherwise a head's query blocks are
-consecutive, which keeps its K and V in L2.
+launcher dealt it; all roles walk the same sequence. With a band that closes on the right (causal), and in packed
+batches, the tiles are ordered longest first (last query blocks first) within groups of heads whose K and V fit in
+L2; otherwise a head's query blocks are consecutive, which keeps its K and V in L2.
 
 Descriptors: Q, K, V and O are host-side 4-D (batch, heads, rows, dim) views of the (batch, rows, heads, dim)
 tensors whose [1, 1, rows, width] box is one head's tile: the copy engine zero-fills rows past a sequence's end
 (K and V blocks past the last key read zeros, masked to -inf in the scores) and clips the output's stores there.
 
+Packed batches (VARLEN, `cu_seqlens`): the descriptors view the packed (1, total, heads, dim) tensors, a sequence's
+rows start at its cu_seqlens entry, and the tiles cover max_seqlen_q rows of every sequence (a tile past its
+sequence's end is skipped by every role). Past a sequence's end the copy engine reads the next sequence's rows:
+their scores are masked as any key past the end, the consumers zero those value rows in shared memory before
+their P V (0 * inf would carry a non-finite value of another sequence into this one), and a tile whose query rows
+run past the end stores its output by masked pointer stores instead of TMA.
+
 What it serves: fp16 / bf16, head dims whose padded widths are 64 or 128 (q/k and v apart) or 256 (d = dv),
-dense batches, causal (bottom-right) and sliding windows with block skipping, GQA/MQA by head arithmetic, softcap,
-ALiBi, the lse. The launcher (launch.py) sends everything else to the Triton kernels, and explain() says why
-(configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
+dense and packed batches, causal (bottom-right) and sliding windows with block skipping, GQA/MQA by head
+arithmetic, softcap, ALiBi, the lse. The launcher (launch.py) sends everything else to the Triton kernels, and
+explain() says why (configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
 """
 
 from .common import band_mask, key_block_bounds, tanh
@@ -46,46 +53,46 @@ attention_fwd_gluon_kernel = None  # without Gluon (configs.gluon_unserved_reaso
 if AVAILABLE:
 
     @gluon.jit
-    def _tiles_of_this_cta(num_tiles, TileStarts, TILE_LIST: gl.constexpr):
+    def _tiles_of_this_cta(programs, waves, extra, TileStarts, TILE_LIST: gl.constexpr):
         """(first entry, count) of this CTA's tiles. With TILE_LIST, a list the launcher dealt (TileList from
         TileStarts[pid] to TileStarts[pid + 1], longest first onto the least loaded CTA); otherwise one tile per
-        wave of gl.num_programs(0) tiles (see _tile_number)."""
+        wave of `programs` (the grid's size) tiles (see _tile_number): `waves` whole waves and `extra` tiles in a
+        last one. (The launcher divides: a division here, shared by the roles, was computed before they split and
+        held in local memory.)"""
         pid = gl.program_id(0)
         if TILE_LIST:
             first = gl.load(TileStarts + pid)
             count = gl.load(TileStarts + pid + 1) - first
         else:
-            programs = gl.num_programs(0)
-            waves = num_tiles // programs
             last = gl.where(waves % 2 == 0, pid, programs - 1 - pid)
             first = 0
-            count = waves + (last < num_tiles % programs).to(gl.int32)
+            count = waves + (last < extra).to(gl.int32)
         return first, count
 
     @gluon.jit
-    def _tile_number(wave, first, TileList, TILE_LIST: gl.constexpr):
-        """The tile this CTA takes in its `wave`-th turn: the launcher's list, or waves of gl.num_programs(0)
-        consecutive tiles dealt to the CTAs in alternating directions (snake order), so that a CTA given a long tile
-        in one wave gets a short one in the next when the order is longest first."""
+    def _tile_number(wave, first, programs, TileList, TILE_LIST: gl.constexpr):
+        """The tile this CTA takes in its `wave`-th turn: the launcher's list, or waves of `programs` (the grid's
+        size) consecutive tiles dealt to the CTAs in alternating directions (snake order), so that a CTA given a long
+        tile in one wave gets a short one in the next when the order is longest first."""
         if TILE_LIST:
             tile = gl.load(TileList + first + wave)
         else:
-            programs = gl.num_programs(0)
             pid = gl.program_id(0)
             tile = wave * programs + gl.where(wave % 2 == 0, pid, programs - 1 - pid)
         return tile
 
     @gluon.jit
-    def _tile_coordinates(tile, query_blocks, batch_heads, group_heads, LONGEST_FIRST: gl.constexpr):
+    def _tile_coordinates(tile, query_blocks, batch_heads, group_heads, group_tiles, LONGEST_FIRST: gl.constexpr):
         """(query block, batch * nheads index) of tile number `tile`.
 
         In order: a head's query blocks are consecutive (its K and V stay in L2). LONGEST_FIRST (a band closing on
-        the right, where later query blocks see more keys): heads in groups of group_heads, whose K and V fit in L2
-        together; within a group every head's last query block first, then the one before, and so on."""
+        the right, where later query blocks see more keys; packed batches, where only long sequences have late
+        query blocks): heads in groups of group_heads (group_tiles = group_heads * query_blocks tiles), whose K and V
+        fit in L2 together; within a group every head's last query block first, then the one before, and so on."""
         if LONGEST_FIRST:
-            group = tile // (group_heads * query_blocks)
+            group = tile // group_tiles
             heads = gl.minimum(group_heads, batch_heads - group * group_heads)
-            within = tile - group * group_heads * query_blocks
+            within = tile - group * group_tiles
             m_block = query_blocks - 1 - within // heads
             bh = group * group_heads + within % heads
         else:
@@ -94,49 +101,71 @@ if AVAILABLE:
         return m_block, bh
 
     @gluon.jit
-    def _producer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    def _tile_sequence(tile, sizes, diagonal_offset, packing, BLOCK_M: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+                       VARLEN: gl.constexpr):
+        """Where tile number `tile` lies: (batch entry, head, first query row within its sequence, and the sequence: the
+        descriptors' batch coordinate, its first query and key rows there, seqlen_q, seqlen_k, diagonal_offset).
+        A dense batch entry starts at row 0 of its own batch coordinate; a packed sequence (VARLEN) at its
+        cu_seqlens rows of the one packed batch entry, its causal diagonal bottom-right aligned."""
+        (nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs, waves,
+         extra) = sizes
+        CuSeqlensQ, CuSeqlensK, Out, o8_desc, stride_om, headdim_v = packing
+        m_block, bh = _tile_coordinates(tile, query_blocks, batch_heads, group_heads, group_tiles, LONGEST_FIRST)
+        b = bh // nheads
+        if VARLEN:
+            q_start = gl.load(CuSeqlensQ + b)
+            k_start = gl.load(CuSeqlensK + b)
+            seqlen_q = gl.load(CuSeqlensQ + b + 1) - q_start
+            seqlen_k = gl.load(CuSeqlensK + b + 1) - k_start
+            sequence = (q_start * 0, q_start, k_start, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
+        else:
+            sequence = (b, 0, 0, seqlen_q, seqlen_k, diagonal_offset)
+        return b, bh % nheads, m_block * BLOCK_M, sequence
+
+    @gluon.jit
+    def _producer(descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr):
-        """The load warp: per tile, both consumers' query rows, then every visible K and V block into the ring."""
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
+                  VARLEN: gl.constexpr):
+        """The load warp: per tile, every consumer's query rows, then every visible K and V block into the ring."""
+        CONSUMERS: gl.constexpr = BLOCK_M // 64
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-        nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads = sizes
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean, turn = bars
+        (nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs, waves,
+         extra) = sizes
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
         Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
         it = 0
         tiles_done = 0
-        first, count = _tiles_of_this_cta(num_tiles, TileStarts, TILE_LIST)
+        first, count = _tiles_of_this_cta(programs, waves, extra, TileStarts, TILE_LIST)
         for wave in range(count):
-            m_block, bh = _tile_coordinates(_tile_number(wave, first, TileList, TILE_LIST), query_blocks,
-                                            num_tiles // query_blocks, group_heads,
-                                            HAS_RIGHT)
-            b = bh // nheads
-            h = bh % nheads
-            hk = h // group_size
-            m0 = m_block * BLOCK_M
-            lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
-                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            q_phase = tiles_done & 1
-            for w in gl.static_range(BLOCK_M // 64):
-                # the consumer frees its query rows once its last score matmul of the previous tile is done
-                mbarrier.wait(q_empty.index(w), q_phase ^ 1)
-                mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-                tma_load(q_desc, [b, h, m0 + w * 64, 0], q_ready.index(w), q_smem.index(w))
-            for n0 in range(lo, hi, BLOCK_N):
-                stage = it % NUM_STAGES
-                phase = (it // NUM_STAGES) & 1
-                # K and V stages are released apart: a score matmul is done with its K block a P V earlier
-                mbarrier.wait(k_empty.index(stage), phase ^ 1)
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                tma_load(k_desc, [b, hk, n0, 0], k_ready.index(stage), k_smem.index(stage))
-                mbarrier.wait(v_empty.index(stage), phase ^ 1)
-                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                tma_load(v_desc, [b, hk, n0, 0], v_ready.index(stage), v_smem.index(stage))
-                it += 1
-            tiles_done += 1
+            b, h, m0, sequence = _tile_sequence(_tile_number(wave, first, programs, TileList, TILE_LIST), sizes,
+                                                diagonal_offset, packing, BLOCK_M, HAS_RIGHT or VARLEN, VARLEN)
+            batch, q_start, k_start, seqlen_q_b, seqlen_k_b, diagonal_b = sequence
+            # a packed batch's tiles cover its longest sequence: past a shorter one's end, every role skips the tile
+            if m0 < seqlen_q_b:
+                hk = h // group_size
+                lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k_b, diagonal_b, window_left, window_right,
+                                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                for w in gl.static_range(CONSUMERS):
+                    # the consumer frees its query rows once its last score matmul of the previous tile is done
+                    mbarrier.wait(q_empty.index(w), (tiles_done & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+                    tma_load(q_desc, [batch, h, q_start + m0 + w * 64, 0], q_ready.index(w), q_smem.index(w))
+                for n0 in range(lo, hi, BLOCK_N):
+                    stage = it % NUM_STAGES
+                    phase = (it // NUM_STAGES) & 1
+                    # K and V stages are released apart: a score matmul is done with its K block a P V earlier
+                    mbarrier.wait(k_empty.index(stage), phase ^ 1)
+                    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                    tma_load(k_desc, [batch, hk, k_start + n0, 0], k_ready.index(stage), k_smem.index(stage))
+                    mbarrier.wait(v_empty.index(stage), phase ^ 1)
+                    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                    tma_load(v_desc, [batch, hk, k_start + n0, 0], v_ready.index(stage), v_smem.index(stage))
+                    it += 1
+                tiles_done += 1
 
     @gluon.jit
     def _scores(s, offs_m, offs_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
@@ -212,19 +241,140 @@ if AVAILABLE:
             mbarrier.arrive(other_turn, count=1)
 
     @gluon.jit
-    def _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    def _zero_values_past_end(v_smem, stage, valid, v_clean, cleaned, WG: gl.constexpr, CONSUMERS: gl.constexpr):
+        """Zero the rows [valid, BLOCK_N) of V stage `stage`, a packed sequence's last key block whose rows past the
+        sequence's end the copy engine read from the next sequence, each consumer its share of 16-row chunks; then
+        wait until every consumer has (the `cleaned`-th such block of this CTA), so that no P V reads them before."""
+        BLOCK_N: gl.constexpr = v_smem.shape[3]
+        BLOCK_DV: gl.constexpr = v_smem.shape[4]
+        ROWS: gl.constexpr = 16
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_DV // 8), BLOCK_DV // 8], [4, 1], [1, 0])
+        block = v_smem.index(stage).reshape([BLOCK_N, BLOCK_DV])
+        for c in gl.static_range(WG, BLOCK_N // ROWS, CONSUMERS):
+            if (c + 1) * ROWS > valid:
+                chunk = block.slice(c * ROWS, ROWS)
+                rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                values = chunk.load(layout)
+                chunk.store(gl.where((rows < valid)[:, None], values, gl.zeros_like(values)))
+        # the writes reach the wgmma's (async) view of shared memory, then every consumer's are done
+        fence_async_shared()
+        thread_barrier()
+        mbarrier.arrive(v_clean, count=1)
+        mbarrier.wait(v_clean, cleaned & 1)
+
+    @gluon.jit
+    def _last_values(p_op, acc, v_smem, v_ready, v_empty, block, my_turn, other_turn, turns,
+                     WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """A tile's last P V (of the CTA's `block`-th K/V block) on its own, nothing left to overlap it with:
+        (acc, turns) once it is done and its V stage released."""
+        NUM_STAGES: gl.constexpr = v_smem.shape[0]
+        BLOCK_N: gl.constexpr = v_smem.shape[3]
+        BLOCK_DV: gl.constexpr = v_smem.shape[4]
+        stage = block % NUM_STAGES
+        phase = (block // NUM_STAGES) & 1
+        mbarrier.wait(v_ready.index(stage), phase)
+        turns = _take_turn(my_turn, turns, WG, PINGPONG)
+        acc = warpgroup_mma(p_op, v_smem.index(stage).reshape([BLOCK_N, BLOCK_DV]), acc, is_async=True)
+        _pass_turn(other_turn, PINGPONG)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(stage), count=1)
+        return acc, turns
+
+    @gluon.jit
+    def _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout: gl.constexpr,
+                     VARLEN: gl.constexpr):
+        """A tile's epilogue for one consumer's 64 rows from row0 of its sequence: normalise once (one reciprocal per
+        row; rows that saw no key give out 0 and lse -inf), store the lse rows and the output rows (_store_rows)."""
+        batch, q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence
+        Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        l_o = gl.convert_layout(l_i, o_row_layout)
+        seen = l_o > 0
+        l_safe = gl.where(seen, l_o, 1.0)
+        out = acc * gl.where(seen, 1.0 / l_safe, 0.0)[:, None]
+        m_o = gl.convert_layout(m_i, o_row_layout)
+        lse = gl.where(seen, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        rows = row0 + gl.arange(0, 64, layout=o_row_layout)
+        gl.store(Lse + batch.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + q_start + rows, lse,
+                 mask=rows < seqlen_q)
+        _store_rows(out, o_tile, o_desc, h, row0, sequence, packing, VARLEN)
+
+    @gluon.jit
+    def _store_rows(out, o_tile, o_desc, h, row0, sequence, packing, VARLEN: gl.constexpr):
+        """Store one consumer's 64 output rows from row0 of its sequence, staged in o_tile (once the previous store
+        has read it): by TMA, except in a packed batch where the rows run past the sequence's end (the next
+        sequence's rows are there)."""
+        batch, q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence
+        CuSeqlensQ, CuSeqlensK, Out, o8_desc, stride_om, headdim_v = packing
+        BLOCK_DV: gl.constexpr = o_tile.shape[3]
+        # the previous tile's store has read this buffer
+        tma.store_wait(0)
+        thread_barrier()
+        staged = o_tile.reshape([64, BLOCK_DV])
+        staged.store(out.to(o_desc.dtype))
+        fence_async_shared()
+        thread_barrier()
+        if VARLEN:
+            if row0 + 64 > seqlen_q:
+                # the rows before the sequence's end in groups of 8 (a swizzle period of the staging buffer): the
+                # whole groups by TMA (o8_desc, an 8-row box), the last one's rows by masked pointer stores, 16 bytes
+                # a thread (few registers: pointer stores of all 64 rows made ptxas spill at d = 128)
+                layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_DV // 16], [2, 16], [4, 1], [1, 0])
+                valid = seqlen_q - row0
+                c = gl.arange(0, BLOCK_DV, layout=gl.SliceLayout(0, layout))
+                # the output is contiguous: (1, total rows, nheads, headdim_v)
+                base = Out + (q_start + row0).to(gl.int64) * stride_om + h.to(gl.int64) * headdim_v
+                for group in gl.static_range(8):
+                    if (group + 1) * 8 <= valid:
+                        tma_store(o8_desc, [batch, h, q_start + row0 + group * 8, 0], o_tile.slice(group * 8, 8, dim=2))
+                    elif group * 8 < valid:
+                        r = group * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+                        gl.store(base + r[:, None] * stride_om + c[None, :], staged.slice(group * 8, 8).load(layout),
+                                 mask=(r < valid)[:, None] & (c < headdim_v)[None, :])
+            else:
+                tma_store(o_desc, [batch, h, q_start + row0, 0], o_tile)
+        else:
+            tma_store(o_desc, [batch, h, q_start + row0, 0], o_tile)
+
+    @gluon.jit
+    def _first_block(q_tile, k_smem, k_empty, it, n0, offs_m, seqlen_q, seqlen_k, score_args, slope, masked,
+                     my_turn, other_turn, turns, s_layout: gl.constexpr, col_layout: gl.constexpr,
+                     p_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                     WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """A tile's first key block (the CTA's `it`-th, its K block in place) under intra-warpgroup overlap: its
+        scores and probabilities from fresh row statistics, nothing to overlap them with yet: (P as the P V operand,
+        m, l, turns)."""
+        NUM_STAGES: gl.constexpr = k_smem.shape[0]
+        stage = it % NUM_STAGES
+        turns = _take_turn(my_turn, turns, WG, PINGPONG)
+        s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
+        _pass_turn(other_turn, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=[s])
+        # the K block is read: release it (one thread arrives, past its wait; a warpgroup's wgmma is one collective
+        # operation, docs/compiler-workarounds.md)
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        p, alpha, m_i, l_i = _block_probabilities(s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
+                                                  masked, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                                  SCALE_IN_EXP2)
+        return gl.convert_layout(p.to(q_tile.dtype), p_layout), m_i, l_i, turns
+
+    @gluon.jit
+    def _consumer(descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
-                  WG: gl.constexpr):
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
+                  VARLEN: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup WG (0 .. BLOCK_M / 64 - 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-        nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads = sizes
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean, turn = bars
+        (nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs, waves,
+         extra) = sizes
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
         Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        CONSUMERS: gl.constexpr = BLOCK_M // 64
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_DV: gl.constexpr = v_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
@@ -240,152 +390,133 @@ if AVAILABLE:
         my_turn = turn.index(WG % 2)
         other_turn = turn.index(1 - WG % 2)
         q_tile = q_smem.index(WG).reshape([64, BLOCK_D])
+        o_tile = o_smem.index(WG)
         it = 0
         turns = 0
         tiles_done = 0
-        first, count = _tiles_of_this_cta(num_tiles, TileStarts, TILE_LIST)
+        cleaned = 0  # VARLEN: the value blocks zeroed past a sequence's end so far (_zero_values_past_end)
+        first, count = _tiles_of_this_cta(programs, waves, extra, TileStarts, TILE_LIST)
         for wave in range(count):
-            m_block, bh = _tile_coordinates(_tile_number(wave, first, TileList, TILE_LIST), query_blocks,
-                                            num_tiles // query_blocks, group_heads,
-                                            HAS_RIGHT)
-            b = bh // nheads
-            h = bh % nheads
-            m0 = m_block * BLOCK_M
-            lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
-                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            row0 = m0 + WG * 64
-            offs_m = row0 + gl.arange(0, 64, layout=row_layout)
-            slope = 0.0
-            if HAS_ALIBI:
-                slope = gl.load(Slopes + b * stride_slopes_b + h)
-            m_i = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
-            l_i = gl.full([64], 0.0, gl.float32, layout=row_layout)
-            acc = gl.zeros([64, BLOCK_DV], gl.float32, layout=o_layout)
-            mbarrier.wait(q_ready.index(WG), tiles_done & 1)
-            if lo < hi:
-                if OVERLAP:
-                    # prologue: the first block's scores and probabilities
-                    stage = it % NUM_STAGES
-                    mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
-                    turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                    s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
-                    _pass_turn(other_turn, PINGPONG)
-                    s = warpgroup_mma_wait(0, deps=[s])
-                    # the K block is read: release it (one thread arrives, past its wait; a warpgroup's wgmma is one
-                    # collective operation, docs/compiler-workarounds.md)
-                    mbarrier.arrive(k_empty.index(stage), count=1)
-                    p, alpha, m_i, l_i = _block_probabilities(
-                        s, lo, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
-                        (lo < full_lo) | (lo >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                        SCALE_IN_EXP2)
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    prev_stage = stage
-                    prev_phase = (it // NUM_STAGES) & 1
-                    it += 1
-                    for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
-                        stage = it % NUM_STAGES
-                        mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
-                        mbarrier.wait(v_ready.index(prev_stage), prev_phase)
-                        turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                        s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
-                        acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
-                                            is_async=True)
-                        _pass_turn(other_turn, PINGPONG)
-                        # the scores alone: the previous block's P V keeps running under this block's softmax. Its
-                        # register operand P is not passed through the waits: ptxas tracks the registers of an
-                        # in-flight wgmma itself (and would serialise wgmma, with a warning, where it could not),
-                        # while passing P added 96 register moves to the compiled kernel (triton 3.6) and made the
-                        # three-consumer variant spill under 3.9
-                        s = warpgroup_mma_wait(1, deps=[s])
-                        mbarrier.arrive(k_empty.index(stage), count=1)
-                        p, alpha, m_i, l_i = _block_probabilities(
-                            s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
-                            (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, SCALE_IN_EXP2)
-                        acc = warpgroup_mma_wait(0, deps=[acc])
-                        mbarrier.arrive(v_empty.index(prev_stage), count=1)
-                        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
-                        p_op = gl.convert_layout(p.to(dtype), p_layout)
-                        prev_stage = stage
-                        prev_phase = (it // NUM_STAGES) & 1
+            b, h, m0, sequence = _tile_sequence(_tile_number(wave, first, programs, TileList, TILE_LIST), sizes,
+                                                diagonal_offset, packing, BLOCK_M, HAS_RIGHT or VARLEN, VARLEN)
+            batch, q_start, k_start, seqlen_q_b, seqlen_k_b, diagonal_b = sequence
+            # a packed batch's tiles cover its longest sequence: past a shorter one's end, every role skips the tile
+            if m0 < seqlen_q_b:
+                tile_args = (score_scale, softcap_scale, softcap_out, diagonal_b, window_left, window_right)
+                lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k_b, diagonal_b, window_left, window_right,
+                                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                row0 = m0 + WG * 64
+                offs_m = row0 + gl.arange(0, 64, layout=row_layout)
+                slope = 0.0
+                if HAS_ALIBI:
+                    slope = gl.load(Slopes + b * stride_slopes_b + h)
+                acc = gl.zeros([64, BLOCK_DV], gl.float32, layout=o_layout)
+                m_i = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
+                l_i = gl.full([64], 0.0, gl.float32, layout=row_layout)
+                mbarrier.wait(q_ready.index(WG), tiles_done & 1)
+                if lo < hi:
+                    if OVERLAP:
+                        mbarrier.wait(k_ready.index(it % NUM_STAGES), (it // NUM_STAGES) & 1)
+                        p_op, m_i, l_i, turns = _first_block(
+                            q_tile, k_smem, k_empty, it, lo, offs_m, seqlen_q_b, seqlen_k_b, tile_args, slope,
+                            (lo < full_lo) | (lo >= full_hi), my_turn, other_turn, turns, s_layout, col_layout,
+                            p_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, WG, PINGPONG)
                         it += 1
-                    # this tile's last score matmul is done: the producer may load the next tile's query rows
-                    # (unless they share their buffer with the output's staging: then once the output is stored)
-                    mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
-                    mbarrier.wait(v_ready.index(prev_stage), prev_phase)
-                    turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                    acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
-                                        is_async=True)
-                    _pass_turn(other_turn, PINGPONG)
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                    mbarrier.arrive(v_empty.index(prev_stage), count=1)
+                        for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
+                            stage = it % NUM_STAGES
+                            prev_stage = (it - 1) % NUM_STAGES
+                            mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
+                            mbarrier.wait(v_ready.index(prev_stage), ((it - 1) // NUM_STAGES) & 1)
+                            turns = _take_turn(my_turn, turns, WG, PINGPONG)
+                            s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
+                            acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
+                                                is_async=True)
+                            _pass_turn(other_turn, PINGPONG)
+                            # the scores alone: the previous block's P V keeps running under this block's softmax.
+                            # Its register operand P is not passed through the waits: ptxas tracks the registers of
+                            # an in-flight wgmma itself (and would serialise wgmma, with a warning, where it could
+                            # not), while passing P added 96 register moves to the compiled kernel (triton 3.6) and
+                            # made the three-consumer variant spill under 3.9
+                            s = warpgroup_mma_wait(1, deps=[s])
+                            mbarrier.arrive(k_empty.index(stage), count=1)
+                            p, alpha, m_i, l_i = _block_probabilities(
+                                s, n0, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b, tile_args, slope,
+                                (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                HAS_ALIBI, SCALE_IN_EXP2)
+                            acc = warpgroup_mma_wait(0, deps=[acc])
+                            mbarrier.arrive(v_empty.index(prev_stage), count=1)
+                            acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+                            p_op = gl.convert_layout(p.to(dtype), p_layout)
+                            it += 1
+                        # this tile's last score matmul is done: the producer may load the next tile's query rows
+                        # (unless they share their buffer with the output's staging: then once it is stored)
+                        mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
+                        if VARLEN:
+                            last = lo + (hi - 1 - lo) // BLOCK_N * BLOCK_N
+                            if last + BLOCK_N > seqlen_k_b:
+                                mbarrier.wait(v_ready.index((it - 1) % NUM_STAGES), ((it - 1) // NUM_STAGES) & 1)
+                                _zero_values_past_end(v_smem, (it - 1) % NUM_STAGES, seqlen_k_b - last, v_clean,
+                                                      cleaned, WG, CONSUMERS)
+                                cleaned += 1
+                        acc, turns = _last_values(p_op, acc, v_smem, v_ready, v_empty, it - 1, my_turn, other_turn,
+                                                  turns, WG, PINGPONG)
+                    else:
+                        for n0 in range(lo, hi, BLOCK_N):
+                            stage = it % NUM_STAGES
+                            phase = (it // NUM_STAGES) & 1
+                            mbarrier.wait(k_ready.index(stage), phase)
+                            turns = _take_turn(my_turn, turns, WG, PINGPONG)
+                            s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
+                            _pass_turn(other_turn, PINGPONG)
+                            s = warpgroup_mma_wait(0, deps=[s])
+                            mbarrier.arrive(k_empty.index(stage), count=1)
+                            p, alpha, m_i, l_i = _block_probabilities(
+                                s, n0, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b, tile_args, slope,
+                                (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                HAS_ALIBI, SCALE_IN_EXP2)
+                            acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+                            p_op = gl.convert_layout(p.to(dtype), p_layout)
+                            mbarrier.wait(v_ready.index(stage), phase)
+                            if VARLEN:
+                                if n0 + BLOCK_N > seqlen_k_b:
+                                    _zero_values_past_end(v_smem, stage, seqlen_k_b - n0, v_clean, cleaned, WG,
+                                                          CONSUMERS)
+                                    cleaned += 1
+                            acc = warpgroup_mma(p_op, v_smem.index(stage).reshape([BLOCK_N, BLOCK_DV]), acc,
+                                                is_async=True)
+                            acc = warpgroup_mma_wait(0, deps=[acc])
+                            mbarrier.arrive(v_empty.index(stage), count=1)
+                            it += 1
+                        mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
                 else:
-                    for n0 in range(lo, hi, BLOCK_N):
-                        stage = it % NUM_STAGES
-                        phase = (it // NUM_STAGES) & 1
-                        mbarrier.wait(k_ready.index(stage), phase)
-                        turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                        s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
-                        _pass_turn(other_turn, PINGPONG)
-                        s = warpgroup_mma_wait(0, deps=[s])
-                        mbarrier.arrive(k_empty.index(stage), count=1)
-                        p, alpha, m_i, l_i = _block_probabilities(
-                            s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
-                            (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, SCALE_IN_EXP2)
-                        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
-                        p_op = gl.convert_layout(p.to(dtype), p_layout)
-                        mbarrier.wait(v_ready.index(stage), phase)
-                        acc = warpgroup_mma(p_op, v_smem.index(stage).reshape([BLOCK_N, BLOCK_DV]), acc,
-                                            is_async=True)
-                        acc = warpgroup_mma_wait(0, deps=[acc])
-                        mbarrier.arrive(v_empty.index(stage), count=1)
-                        it += 1
+                    # no visible key: nothing to compute, the query rows are free at once
                     mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
-            else:
-                # no visible key: nothing to compute, the query rows are free at once
-                mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
-            # epilogue: normalise once, rows that saw no key give out 0 and lse -inf
-            l_o = gl.convert_layout(l_i, o_row_layout)
-            seen = l_o > 0
-            l_safe = gl.where(seen, l_o, 1.0)
-            out = acc / l_safe[:, None]
-            m_o = gl.convert_layout(m_i, o_row_layout)
-            lse = gl.where(seen, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-            rows = row0 + gl.arange(0, 64, layout=o_row_layout)
-            gl.store(Lse + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + rows, lse,
-                     mask=rows < seqlen_q)
-            o_tile = o_smem.index(WG)
-            # the previous tile's store has read this buffer
-            tma.store_wait(0)
-            thread_barrier()
-            o_tile.reshape([64, BLOCK_DV]).store(out.to(dtype))
-            fence_async_shared()
-            thread_barrier()
-            tma_store(o_desc, [b, h, row0, 0], o_tile)
-            if SHARE_QO:
-                # the output was staged in the query rows' buffer: free it once the store has read it
-                tma.store_wait(0)
-                thread_barrier()
-                mbarrier.arrive(q_empty.index(WG), count=1)
-            tiles_done += 1
+                _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout, VARLEN)
+                if SHARE_QO:
+                    # the output was staged in the query rows' buffer: free it once the store has read it
+                    tma.store_wait(0)
+                    thread_barrier()
+                    mbarrier.arrive(q_empty.index(WG), count=1)
+                tiles_done += 1
         tma.store_wait(0)
 
     @gluon.jit
     def attention_fwd_gluon_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, Slopes, TileList, TileStarts,
-        stride_lse_b, stride_lse_h, stride_slopes_b,
-        nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads,
+        q_desc, k_desc, v_desc, o_desc, o8_desc, Lse, Slopes, TileList, TileStarts, CuSeqlensQ, CuSeqlensK, Out,
+        stride_lse_b, stride_lse_h, stride_slopes_b, stride_om, headdim_v,
+        nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs, waves,
+        extra,
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
         SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr,
-        SHARE_QO: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+        SHARE_QO: gl.constexpr, VARLEN: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
     ):
         CONSUMERS: gl.constexpr = BLOCK_M // 64
         gl.static_assert(CONSUMERS * 64 == BLOCK_M and (CONSUMERS == 2 or CONSUMERS == 3),
                          "two or three consumer warpgroups of 64 query rows")
         gl.static_assert(not PINGPONG or CONSUMERS == 2, "pingpong takes turns between two consumers")
+        gl.static_assert(not (VARLEN and TILE_LIST), "the launcher deals no packed batch's tiles")
         # shared memory: each consumer's query rows and output staging, the K/V ring
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -404,6 +535,7 @@ if AVAILABLE:
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_clean = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
@@ -414,12 +546,15 @@ if AVAILABLE:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
             mbarrier.init(v_empty.index(i), count=CONSUMERS)
-        bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
+        mbarrier.init(v_clean.index(0), count=CONSUMERS)  # every consumer has zeroed its share of a value block
+        bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean.index(0), turn)
         descs = (q_desc, k_desc, v_desc, o_desc)
         smem = (q_smem, k_smem, v_smem, o_smem)
-        sizes = (nheads, group_size, seqlen_q, seqlen_k, query_blocks, num_tiles, group_heads)
+        sizes = (nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs,
+                 waves, extra)
         score_args = (score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right)
         stats = (Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b)
+        packing = (CuSeqlensQ, CuSeqlensK, Out, o8_desc, stride_om, headdim_v)
         # the default partition (num_warps = 4 warps) loads; the consumers are workers of 4 warps each. Workaround
         # (triton 3.6.0, 2026-12-01): the functions that a default partition calls get no warp count, so it cannot
         # call helpers on distributed tensors (the consumers' softmax); the loads need none. The constexprs go in
@@ -428,28 +563,28 @@ if AVAILABLE:
         # one consumer function for every consumer warpgroup, its index WG the last argument
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                (_producer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO)),
-                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             TILE_LIST, SHARE_QO, VARLEN)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, 0)),
-                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             TILE_LIST, SHARE_QO, VARLEN, 0)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, 1)),
             ], [4, 4], [CONSUMER_REGISTERS] * 2)
         else:
             gl.warp_specialize([
-                (_producer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                (_producer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO)),
-                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             TILE_LIST, SHARE_QO, VARLEN)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, 0)),
-                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             TILE_LIST, SHARE_QO, VARLEN, 0)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, 1)),
-                (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             TILE_LIST, SHARE_QO, VARLEN, 1)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, 2)),
+                             TILE_LIST, SHARE_QO, VARLEN, 2)),
             ], [4, 4, 4], [CONSUMER_REGISTERS] * 3)

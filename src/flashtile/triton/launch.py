@@ -236,7 +236,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     """
     p = problem
     if tiles.forward_schedule == 3 and not gluon_unserved(q, k, v, p, tiles.gluon_tile):
-        return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile)
+        return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile, cu_seqlens_q, cu_seqlens_k)
     cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
     out, lse = _outputs(q, p, varlen)
     if (out.numel() == 0 and lse.numel() == 0) or p.batch == 0:
@@ -308,15 +308,17 @@ def _gluon_box_layout(dtype: torch.dtype, block_rows: int, block_width: int):
     return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, block_width], element)
 
 
-def _gluon_heads_view(t: torch.Tensor, block_rows: int, block_width: int):
-    """As _heads_view, a Gluon host descriptor with the shared layout its box lands in (the rules that Gluon's
-    descriptor checks on construction, gluon_unserved has checked)."""
+def _gluon_heads_view(t: torch.Tensor, block_rows: int, block_width: int, layout_rows: int | None = None):
+    """As _heads_view, a Gluon host descriptor with the shared layout its box lands in, or that of a box of
+    layout_rows rows (a part of such a box; the rules that Gluon's descriptor checks on construction, gluon_unserved
+    has checked)."""
     batch, rows, heads, dim = t.shape
     stride_b, stride_m, stride_h, _ = t.stride()
     descriptor = object.__new__(gluon_compat.TensorDescriptor)
     descriptor.__dict__.update(base=t, shape=[batch, heads, rows, dim], strides=[stride_b, stride_h, stride_m, 1],
                                block_shape=[1, 1, block_rows, block_width],
-                               layout=_gluon_box_layout(t.dtype, block_rows, block_width), padding="zero")
+                               layout=_gluon_box_layout(t.dtype, layout_rows or block_rows, block_width),
+                               padding="zero")
     return descriptor
 
 
@@ -355,10 +357,13 @@ def _dealt_tiles(device: torch.device, problem: AttentionProblem, programs: int,
             torch.tensor(starts, dtype=torch.int32, device=device))
 
 
-def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonTile):
-    """The Gluon forward (fwd_gluon.py) of a dense call that gluon_unserved accepts: out, lse as forward()."""
+def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonTile, cu_seqlens_q=None,
+                  cu_seqlens_k=None):
+    """The Gluon forward (fwd_gluon.py) of a call that gluon_unserved accepts, dense or packed (cu_seqlens_q and
+    cu_seqlens_k): out, lse as forward()."""
     p = problem
-    out, lse = _outputs(q, p, False)
+    cu_q, cu_k, varlen, batch_q, _ = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
+    out, lse = _outputs(q, p, varlen)
     if out.numel() == 0 or p.batch == 0:
         return out, lse
     slopes, slopes_stride, _, _, scalars, flags = _score_args(q, alibi_slopes, None, p)
@@ -368,7 +373,8 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     programs = min(num_tiles, _sm_count(q.device)) if tile.persistent else num_tiles
     _, block_n, share_qo = _gluon_plan(p, tile)
     _, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = scalars
-    # longest-first order (a band closing on the right) takes heads in groups whose K and V fit in L2 together
+    # longest-first order (a band closing on the right, packed batches) takes heads in groups whose K and V fit in L2
+    # together
     head_bytes = p.seqlen_k * (p.headdim + p.headdim_v) * q.element_size()
     group_heads = max(1, min(p.batch * p.nheads, GLUON_L2_GROUP_BYTES // max(1, head_bytes)))
     tile_list = tile.persistent and tile.balanced
@@ -379,14 +385,17 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     launch(
         attention_fwd_gluon_kernel, _grid(programs),
         (_gluon_heads_view(q, WARPGROUP_ROWS, block_d), _gluon_heads_view(k, block_n, block_d),
-         _gluon_heads_view(v, block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv), lse, slopes,
-         dealt, starts),
-        (lse.stride(0), lse.stride(1), slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_blocks,
-         num_tiles, group_heads, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right),
+         _gluon_heads_view(v, block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv),
+         _gluon_heads_view(out, 8, block_dv, layout_rows=WARPGROUP_ROWS) if varlen else lse, lse, slopes, dealt,
+         starts, cu_q, cu_k, out),
+        (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, out.stride(1), p.headdim_v, p.nheads, p.group_size,
+         p.seqlen_q, p.seqlen_k, query_blocks, p.batch * p.nheads, group_heads, group_heads * query_blocks, programs,
+         num_tiles // programs, num_tiles % programs, score_scale, softcap_scale, softcap_out, diagonal_offset,
+         window_left, window_right),
         BLOCK_M=tile.block_m, BLOCK_N=block_n, NUM_STAGES=tile.num_stages, HAS_LEFT=flags["HAS_LEFT"],
         HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong, TILE_LIST=tile_list,
-        SHARE_QO=share_qo, CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4,
+        SHARE_QO=share_qo, VARLEN=varlen, CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4,
         maxnreg=tile.max_registers)
     return out, lse
 
