@@ -336,16 +336,16 @@ if AVAILABLE:
             tma_store(o_desc, [batch, h, q_start + row0, 0], o_tile)
 
     @gluon.jit
-    def _first_block(q_tile, k_smem, k_empty, it, n0, offs_m, seqlen_q, seqlen_k, score_args, slope, masked,
-                     my_turn, other_turn, turns, s_layout: gl.constexpr, col_layout: gl.constexpr,
-                     p_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                     WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """A tile's first key block (the CTA's `it`-th, its K block in place) under intra-warpgroup overlap: its
-        scores and probabilities from fresh row statistics, nothing to overlap them with yet: (P as the P V operand,
-        m, l, turns)."""
+    def _block_alone(q_tile, k_smem, k_ready, k_empty, it, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args,
+                     slope, masked, my_turn, other_turn, turns, s_layout: gl.constexpr, col_layout: gl.constexpr,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                     HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """The scores and online-softmax step of the CTA's `it`-th key block (at n0) with nothing to overlap them
+        with (a tile's first block under overlap, every block without): (p, alpha, m, l, turns) as
+        _block_probabilities, its K stage released."""
         NUM_STAGES: gl.constexpr = k_smem.shape[0]
         stage = it % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
         turns = _take_turn(my_turn, turns, WG, PINGPONG)
         s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
         _pass_turn(other_turn, PINGPONG)
@@ -353,12 +353,10 @@ if AVAILABLE:
         # the K block is read: release it (one thread arrives, past its wait; a warpgroup's wgmma is one collective
         # operation, docs/compiler-workarounds.md)
         mbarrier.arrive(k_empty.index(stage), count=1)
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
         p, alpha, m_i, l_i = _block_probabilities(s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
                                                   masked, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                                   SCALE_IN_EXP2)
-        return gl.convert_layout(p.to(q_tile.dtype), p_layout), m_i, l_i, turns
+        return p, alpha, m_i, l_i, turns
 
     @gluon.jit
     def _consumer(descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M: gl.constexpr,
@@ -416,11 +414,12 @@ if AVAILABLE:
                 mbarrier.wait(q_ready.index(WG), tiles_done & 1)
                 if lo < hi:
                     if OVERLAP:
-                        mbarrier.wait(k_ready.index(it % NUM_STAGES), (it // NUM_STAGES) & 1)
-                        p_op, m_i, l_i, turns = _first_block(
-                            q_tile, k_smem, k_empty, it, lo, offs_m, seqlen_q_b, seqlen_k_b, tile_args, slope,
-                            (lo < full_lo) | (lo >= full_hi), my_turn, other_turn, turns, s_layout, col_layout,
-                            p_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, WG, PINGPONG)
+                        # the first block: nothing to overlap its scores and softmax with yet
+                        p, alpha, m_i, l_i, turns = _block_alone(
+                            q_tile, k_smem, k_ready, k_empty, it, lo, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b,
+                            tile_args, slope, (lo < full_lo) | (lo >= full_hi), my_turn, other_turn, turns, s_layout,
+                            col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, WG, PINGPONG)
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
                         it += 1
                         for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
                             stage = it % NUM_STAGES
@@ -464,16 +463,11 @@ if AVAILABLE:
                         for n0 in range(lo, hi, BLOCK_N):
                             stage = it % NUM_STAGES
                             phase = (it // NUM_STAGES) & 1
-                            mbarrier.wait(k_ready.index(stage), phase)
-                            turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                            s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
-                            _pass_turn(other_turn, PINGPONG)
-                            s = warpgroup_mma_wait(0, deps=[s])
-                            mbarrier.arrive(k_empty.index(stage), count=1)
-                            p, alpha, m_i, l_i = _block_probabilities(
-                                s, n0, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b, tile_args, slope,
-                                (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                HAS_ALIBI, SCALE_IN_EXP2)
+                            p, alpha, m_i, l_i, turns = _block_alone(
+                                q_tile, k_smem, k_ready, k_empty, it, n0, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b,
+                                tile_args, slope, (n0 < full_lo) | (n0 >= full_hi), my_turn, other_turn, turns,
+                                s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, WG,
+                                PINGPONG)
                             acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
                             p_op = gl.convert_layout(p.to(dtype), p_layout)
                             mbarrier.wait(v_ready.index(stage), phase)
