@@ -6,7 +6,8 @@ workers' start and exit handshake through shared memory), not from a kernel's ow
 first spins that many dependent steps, so that the default partition reaches its end long before the workers do
 (as the Gluon forward's load warps do before its consumers).
 
-    compute-sanitizer --tool racecheck python benchmarks/gluon_racecheck_control.py [WORKERS [SPIN]]  # 1, 0 default
+    compute-sanitizer --tool racecheck python benchmarks/gluon_racecheck_control.py [WORKERS [SPIN [forward-registers]]]
+                                                  # 1 worker, 0 steps, 48 registers a worker by default
 """
 
 from __future__ import annotations
@@ -34,23 +35,27 @@ def _write(out, n, spin, WORKER: gl.constexpr):
 
 
 @gluon.jit
-def warp_specialize_control_kernel(out, n, spin, WORKERS: gl.constexpr):
+def warp_specialize_control_kernel(out, n, spin, WORKERS: gl.constexpr, REGISTERS: gl.constexpr):
     if WORKERS == 1:
-        gl.warp_specialize([(_idle, (out, n)), (_write, (out, n, spin, 0))], [4], [48])
+        gl.warp_specialize([(_idle, (out, n)), (_write, (out, n, spin, 0))], [4], [REGISTERS])
     elif WORKERS == 2:
         gl.warp_specialize([(_idle, (out, n)), (_write, (out, n, spin, 0)), (_write, (out, n, spin, 1))], [4, 4],
-                           [48, 48])
+                           [REGISTERS] * 2)
     else:
         gl.warp_specialize([(_idle, (out, n)), (_write, (out, n, spin, 0)), (_write, (out, n, spin, 1)),
-                            (_write, (out, n, spin, 2))], [4, 4, 4], [48, 48, 48])
+                            (_write, (out, n, spin, 2))], [4, 4, 4], [REGISTERS] * 3)
 
 
 if __name__ == "__main__":
     workers = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     spin = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    # the Gluon forward's register plan with two workers: a cap of 168 a thread at launch, 240 for each worker (the
+    # load warps left 24); otherwise 48 a worker, under the compiler's own cap
+    plan = dict(REGISTERS=240, maxnreg=168) if len(sys.argv) > 3 and sys.argv[3] == "forward-registers" else \
+        dict(REGISTERS=48)
     out = torch.zeros(workers, 128, device="cuda")
-    warp_specialize_control_kernel[(1,)](out, 128, spin, WORKERS=workers, num_warps=4)
+    warp_specialize_control_kernel[(1,)](out, 128, spin, WORKERS=workers, num_warps=4, **plan)
     torch.cuda.synchronize()
     want = torch.arange(128, device="cuda", dtype=torch.float32) + torch.arange(workers, device="cuda")[:, None]
     assert torch.equal(out, want), out
-    print(f"control kernel, {workers} worker warpgroup(s), {spin} spin steps: ok")
+    print(f"control kernel, {workers} worker warpgroup(s), {spin} spin steps, {plan}: ok")
