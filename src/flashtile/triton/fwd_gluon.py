@@ -41,7 +41,7 @@ arithmetic, softcap, ALiBi, the lse. The launcher (launch.py) sends everything e
 explain() says why (configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
 """
 
-from .common import band_mask, key_block_bounds, tanh
+from .common import band_mask, descriptor_origin, key_block_bounds, sequence_bounds, tanh
 from .gluon_compat import (AVAILABLE, fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma, tma_load,
                            tma_store, warpgroup_mma, warpgroup_mma_wait)
 
@@ -104,23 +104,20 @@ if AVAILABLE:
     def _tile_sequence(tile, sizes, diagonal_offset, packing, BLOCK_M: gl.constexpr, LONGEST_FIRST: gl.constexpr,
                        VARLEN: gl.constexpr):
         """Where tile number `tile` lies: (batch entry, head, first query row within its sequence, and the sequence: the
-        descriptors' batch coordinate, its first query and key rows there, seqlen_q, seqlen_k, diagonal_offset).
-        A dense batch entry starts at row 0 of its own batch coordinate; a packed sequence (VARLEN) at its
-        cu_seqlens rows of the one packed batch entry, its causal diagonal bottom-right aligned."""
+        descriptors' batch coordinate, its first query and key rows there (int32, as descriptor coordinates are),
+        seqlen_q, seqlen_k, diagonal_offset), by common.sequence_bounds and common.descriptor_origin: a dense batch
+        entry starts at row 0 of its own batch coordinate, a packed sequence (VARLEN) at its cu_seqlens rows of the
+        one packed batch entry, its causal diagonal bottom-right aligned."""
         (nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs, waves,
          extra) = sizes
         CuSeqlensQ, CuSeqlensK, Out, o8_desc, stride_om, headdim_v = packing
         m_block, bh = _tile_coordinates(tile, query_blocks, batch_heads, group_heads, group_tiles, LONGEST_FIRST)
         b = bh // nheads
-        if VARLEN:
-            q_start = gl.load(CuSeqlensQ + b)
-            k_start = gl.load(CuSeqlensK + b)
-            seqlen_q = gl.load(CuSeqlensQ + b + 1) - q_start
-            seqlen_k = gl.load(CuSeqlensK + b + 1) - k_start
-            sequence = (q_start * 0, q_start, k_start, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
-        else:
-            sequence = (b, 0, 0, seqlen_q, seqlen_k, diagonal_offset)
-        return b, bh % nheads, m_block * BLOCK_M, sequence
+        q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
+            CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
+        batch, q_row0 = descriptor_origin(b, q_start, VARLEN)
+        _, k_row0 = descriptor_origin(b, k_start, VARLEN)
+        return b, bh % nheads, m_block * BLOCK_M, (batch, q_row0, k_row0, seqlen_q, seqlen_k, diagonal_offset)
 
     @gluon.jit
     def _producer(descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M: gl.constexpr,
