@@ -14,8 +14,9 @@ times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's T
     python benchmarks/gluon_forward.py small          # small cases of every setting, for compute-sanitizer
     python benchmarks/gluon_forward.py compile-time   # the first call's wall time (with an empty Triton cache)
 
-SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>, grid 0 one CTA per tile, 1 persistent
-in snake order, 2 persistent with the launcher's deal; e.g. c2s2o1p1,c3s2o0p0.
+SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>[pp][n<keys>], grid 0 one CTA per tile,
+1 persistent in snake order, 2 persistent with the launcher's deal, pp pingpong, n keys per block (default 128);
+e.g. c2s2o1p1,c3s2o0p0,c2s2o0p1n256.
 
 Inputs are random from fixed seeds; times are triton.testing.do_bench medians in the FlashAttention benchmark
 convention (16,384 tokens per batch, model width 2048; forward FLOPs 4 B H N^2 d, halved for causal).
@@ -154,17 +155,30 @@ PACKED_CASES = [
 ]
 
 
+def _takes(tile, headdims, packed=False) -> bool:
+    """Whether the setting serves heads this wide (configs.gluon_unserved_reason): three consumers and blocks of 256
+    keys take head dims up to 64, and three consumers no packed batch."""
+    narrow = tile.consumers == 3 or tile.block_n == 256
+    return not (narrow and max(headdims) > 64) and not (packed and tile.consumers == 3)
+
+
 def check_packed(tiles, dtypes=(torch.bfloat16, torch.float16)) -> bool:
     ok = True
     for tile in tiles:
         for seed, (name, lengths_q, lengths_k, shape, options) in enumerate(PACKED_CASES):
+            if not _takes(tile, shape[2:], packed=True):
+                continue
             for dtype in dtypes:
                 ok &= check_packed_case(f"{_name(tile)} packed {name} {dtype}", lengths_q, lengths_k, shape, tile,
                                         dtype, seed, **options)
+        if not _takes(tile, (64,), packed=True):
+            continue
         ok &= check_packed_case(f"{_name(tile)} packed alibi (nseq, nheads)", [300, 45, 700], [300, 45, 700],
                                 (4, 4, 64, 64), tile, torch.bfloat16, 50,
                                 slopes=torch.rand(3, 4, device=DEVICE), causal=True)
         # another sequence's infinite keys and values reach no other sequence (0 * inf)
+        if not _takes(tile, (128,), packed=True):
+            continue
         ok &= check_packed_case(f"{_name(tile)} packed inf next door", [100, 130, 70], [100, 130, 70],
                                 (4, 4, 128, 128), tile, torch.bfloat16, 51, poison=1)
     return ok
@@ -216,7 +230,8 @@ def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v, dty
 
 def _name(tile) -> str:
     return (f"c{tile.consumers}s{tile.num_stages}o{int(tile.overlap)}"
-            f"p{int(tile.persistent) + int(tile.persistent and tile.balanced)}" + ("pp" if tile.pingpong else ""))
+            f"p{int(tile.persistent) + int(tile.persistent and tile.balanced)}" + ("pp" if tile.pingpong else "")
+            + (f"n{tile.block_n}" if tile.block_n != G().block_n else ""))
 
 
 def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
@@ -247,18 +262,19 @@ def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
         for dtype in dtypes:
             for i, (name, shape, options) in enumerate(cases):
                 q, k, v = _inputs(*shape, dtype, seed=i)
-                if tile.consumers == 3 and max(shape[5:]) > 64:
-                    continue  # three consumers: a d <= 64 tile
+                if not _takes(tile, shape[5:]):
+                    continue
                 ok &= check_case(f"{_name(tile)} {dtype} {name}", q, k, v, tile=tile, **options)
-        # ALiBi (per head and per batch entry), large scores, a late maximum
-        q, k, v = _inputs(2, 600, 700, 4, 4, 128, 128, torch.bfloat16, seed=100)
-        if tile.consumers == 3:
-            continue
-        ok &= check_case(f"{_name(tile)} alibi (nheads,)", q, k, v, torch.rand(4, device=DEVICE), tile=tile,
-                         causal=True)
-        ok &= check_case(f"{_name(tile)} alibi (batch, nheads)", q, k, v, torch.rand(2, 4, device=DEVICE), tile=tile)
-        q, k, v = _inputs(2, 500, 1000, 4, 4, 128, 128, torch.bfloat16, seed=101, scale=30.0)
-        ok &= check_case(f"{_name(tile)} |scores| ~ 1e3", q, k, v, tile=tile)
+        if _takes(tile, (128,)):
+            # ALiBi (per head and per batch entry), large scores
+            q, k, v = _inputs(2, 600, 700, 4, 4, 128, 128, torch.bfloat16, seed=100)
+            ok &= check_case(f"{_name(tile)} alibi (nheads,)", q, k, v, torch.rand(4, device=DEVICE), tile=tile,
+                             causal=True)
+            ok &= check_case(f"{_name(tile)} alibi (batch, nheads)", q, k, v, torch.rand(2, 4, device=DEVICE),
+                             tile=tile)
+            q, k, v = _inputs(2, 500, 1000, 4, 4, 128, 128, torch.bfloat16, seed=101, scale=30.0)
+            ok &= check_case(f"{_name(tile)} |scores| ~ 1e3", q, k, v, tile=tile)
+        # a late maximum
         q, k, v = _inputs(2, 500, 1000, 4, 4, 64, 64, torch.float16, seed=102)
         k[:, -3:] = q[:, :1].mean(dim=1, keepdim=True).expand(-1, 3, -1, -1) * 8  # the largest scores in the last tile
         ok &= check_case(f"{_name(tile)} late maximum", q, k, v, tile=tile)
@@ -371,14 +387,15 @@ def small() -> bool:
     """A few small cases in each setting of the Gluon forward (ragged ends, causal with masked rows, GQA, a window,
     ALiBi), each checked against the oracle: short enough for compute-sanitizer's memcheck and racecheck."""
     tiles = [G(), G(overlap=False), G(pingpong=True), G(persistent=False),
-             G(consumers=3, overlap=False, persistent=False), G(consumers=3), G(balanced=True)]
+             G(consumers=3, overlap=False, persistent=False), G(consumers=3), G(balanced=True),
+             G(block_n=256, overlap=False)]
     ok = True
     for t, tile in enumerate(tiles):
         for i, (shape, options) in enumerate([((1, 200, 150, 4, 2, 64, 64), dict(causal=True)),
                                                ((1, 130, 257, 2, 2, 128, 128), dict()),
                                                ((1, 100, 300, 2, 1, 128, 64), dict(window=(40, 20)))]):
-            if tile.consumers == 3 and max(shape[5:]) > 64:
-                continue  # three consumers: a d <= 64 tile
+            if not _takes(tile, shape[5:]):
+                continue
             q, k, v = _inputs(*shape, torch.bfloat16, seed=10 * t + i)
             ok &= check_case(f"small {tile} {shape} {options}", q, k, v, tile=tile, **options)
         q, k, v = _inputs(1, 90, 90, 2, 2, 64, 64, torch.float16, seed=100 + t)
@@ -393,13 +410,13 @@ G = launch.GluonTile
 
 
 def _variants(text):
-    """Settings named as in the timing rows, comma-separated: c<consumers>s<stages>o<overlap>p<grid>, grid 0 one CTA
-    per tile, 1 persistent in snake order, 2 persistent with the launcher's deal; e.g. c2s2o1p1,c3s2o0p0."""
+    """Settings named as in the timing rows, comma-separated (see the module's docstring)."""
     tiles = []
     for name in text.split(","):
-        fields = {key: int(value) for key, value in re.findall(r"([a-z])(\d)", name)}
+        fields = {key: int(value) for key, value in re.findall(r"([a-z])(\d+)", name)}
         tiles.append(G(consumers=fields["c"], num_stages=fields["s"], overlap=bool(fields["o"]),
-                       persistent=fields["p"] > 0, balanced=fields["p"] == 2))
+                       persistent=fields["p"] > 0, balanced=fields["p"] == 2, pingpong="pp" in name,
+                       block_n=fields.get("n", G().block_n)))
     return tiles
 
 

@@ -81,7 +81,10 @@ def extra_tiles():
                                                            window_left=64, window_right=32), configs.GluonTile()),
             ("bf16 d64 packed window no overlap",
              dataclasses.replace(problem_for(1000, 1000, 64, 64, torch.bfloat16, False, batch=3), varlen=True,
-                                 window_left=100, window_right=20), configs.GluonTile(overlap=False, num_stages=3))]
+                                 window_left=100, window_right=20), configs.GluonTile(overlap=False, num_stages=3)),
+            ("bf16 d64 packed causal, blocks of 256 keys",
+             dataclasses.replace(problem_for(1000, 1000, 64, 64, torch.bfloat16, True, batch=3), varlen=True),
+             configs.GluonTile(block_n=256, overlap=False))]
 
 
 def recorded_gluon_launch(problem, tile):

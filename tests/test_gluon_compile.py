@@ -88,5 +88,6 @@ def test_packed_batches_compile_at_the_tables_setting_and_the_forced_ones(compil
     dv != d); a forced setting without overlap compiles too."""
     packed = sorted(row["label"] for row in _variants(compiled) if row["constexprs"].get("VARLEN"))
     assert packed == ["bf16 d128 dv64 packed causal GQA", "bf16 d128 packed causal False",
-                      "bf16 d128 packed causal True", "bf16 d64 packed window no overlap",
+                      "bf16 d128 packed causal True", "bf16 d64 packed causal, blocks of 256 keys",
+                      "bf16 d64 packed window no overlap",
                       "fp16 d128 packed causal False", "fp16 d128 packed causal True"], packed

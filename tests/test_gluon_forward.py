@@ -29,12 +29,12 @@ def test_the_sm90_table_takes_the_gluon_forward_where_it_measured_faster(headdim
     assert tiles.block_m >= 64 and tiles.block_n >= 64 and tiles.num_warps >= 4
 
 
-# (consumers, stages, overlap, persistent, balanced) per cell where the table takes the Gluon forward
-GLUON_TABLE = {(64, 1024, False): (2, 3, 1, 1, 0), (64, 4096, False): (3, 2, 1, 1, 0),
-               (64, 16384, False): (3, 2, 1, 0, 0), (64, 4096, True): (2, 2, 1, 1, 1),
-               (64, 16384, True): (3, 2, 0, 0, 0),
-               **{(128, n, False): (2, 2, 1, 1, 0) for n in (1024, 4096, 16384)},
-               **{(128, n, True): (2, 2, 1, 1, 1) for n in (1024, 4096, 16384)}}
+# (keys per block, consumers, stages, overlap, persistent, balanced) per cell where the table takes the Gluon forward
+GLUON_TABLE = {(64, 1024, False): (256, 2, 2, 0, 1, 0), (64, 4096, False): (128, 3, 2, 1, 1, 0),
+               (64, 16384, False): (128, 3, 2, 1, 0, 0), (64, 4096, True): (128, 2, 2, 1, 1, 1),
+               (64, 16384, True): (128, 3, 2, 0, 0, 0),
+               **{(128, n, False): (128, 2, 2, 1, 1, 0) for n in (1024, 4096, 16384)},
+               **{(128, n, True): (128, 2, 2, 1, 1, 1) for n in (1024, 4096, 16384)}}
 
 
 @pytest.mark.parametrize("cell, settings", GLUON_TABLE.items(), ids=[f"d{d}-n{n}-{'causal' if c else 'full'}"
@@ -43,8 +43,8 @@ def test_the_sm90_table_picks_the_measured_gluon_settings_per_cell(cell, setting
     headdim, seqlen, causal = cell
     problem = problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal)
     tiles = configs.default_tiles(problem, HOPPER)
-    assert (tiles.gluon_consumers, tiles.gluon_stages, tiles.gluon_overlap, tiles.gluon_persistent,
-            tiles.gluon_balanced) == settings
+    assert (tiles.gluon_block_n, tiles.gluon_consumers, tiles.gluon_stages, tiles.gluon_overlap,
+            tiles.gluon_persistent, tiles.gluon_balanced) == settings
     assert tiles.gluon_pingpong == 0
     # every setting the table picks is one the Gluon forward serves for the cell
     _on_a_hopper(monkeypatch)
@@ -85,6 +85,24 @@ def test_the_gluon_forward_names_why_it_turns_a_call_away(monkeypatch, change, r
     problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, True), device=torch.device("cuda"),
                                   **change)
     assert configs.gluon_unserved_reason(problem, configs.GluonTile()) == reason
+
+
+@pytest.mark.parametrize("tile, headdim, reason", [
+    (configs.GluonTile(block_n=256, overlap=False), 64, ""),
+    (configs.GluonTile(block_n=256, overlap=False, pingpong=True), 64, ""),
+    (configs.GluonTile(block_n=256), 64, "blocks of 256 keys with intra-warpgroup overlap hold two 64 x 256 score "
+                                         "tiles at once and spill; they run without it (gluon_overlap=0)"),
+    (configs.GluonTile(block_n=256, overlap=False, consumers=3), 64,
+     "three consumer warpgroups (160 registers each) take blocks of up to 128 keys (256: ptxas fails)"),
+    (configs.GluonTile(block_n=256, overlap=False), 128,
+     "2 stages need 295,936 bytes of shared memory, more than sm_90's 232,448"),
+    (configs.GluonTile(block_n=256), 256, ""),  # 256-wide heads take blocks of 64 keys whatever the setting
+    (configs.GluonTile(block_n=32), 64, "keys per block (gluon_block_n) are 64, 128 or 256, got 32")])
+def test_blocks_of_256_keys_are_a_narrow_head_setting_without_overlap(monkeypatch, tile, headdim, reason):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, headdim, headdim, torch.bfloat16, False),
+                                  device=torch.device("cuda"))
+    assert configs.gluon_unserved_reason(problem, tile) == reason
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
@@ -169,6 +187,7 @@ def test_a_call_it_turns_away_runs_the_triton_forward_and_explain_says_why(seed)
     ("gluon_persistent", -1, "tile setting gluon_persistent must be 0 or 1, got -1"),
     ("gluon_stages", 0, "tile setting gluon_stages must be a positive int, got 0"),
     ("gluon_consumers", 4, "tile setting gluon_consumers must be 2 or 3, got 4"),
+    ("gluon_block_n", 96, "tile setting gluon_block_n must be 64, 128 or 256, got 96"),
     ("forward_schedule", 4, "tile setting forward_schedule must be one of [0, 1, 2, 3], got 4")])
 def test_gluon_settings_are_checked(setting, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -60,7 +60,8 @@ GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0), "pingpong": 
                       gluon_pingpong=1, gluon_persistent=0), "three-stages": dict(gluon_stages=3),
                   "three-consumers": dict(gluon_consumers=3), "three-consumers-one-cta-per-tile": dict(
                       gluon_consumers=3, gluon_overlap=0, gluon_persistent=0),
-                  "dealt-tiles": dict(gluon_persistent=1, gluon_balanced=1)}
+                  "dealt-tiles": dict(gluon_persistent=1, gluon_balanced=1),
+                  "256-key-blocks": dict(gluon_block_n=256, gluon_overlap=0)}
 GLUON_CASES = {
     "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
     "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
@@ -73,13 +74,22 @@ GLUON_CASES = {
     # the output staged in the query rows' buffer: more tiles than SMs, so that a CTA loads a second tile's query
     # rows into the buffer its first tile's output left
     "d256-causal-many-tiles": ((4, 1000, 1000, 8, 2, 256, 256), {"causal": True}),
+    # d = 64, where blocks of 256 keys run: rows that see no key, a ragged end past several blocks with GQA
+    "d64-causal-masked-rows": ((1, 700, 300, 4, 4, 64, 64), {"causal": True}),
+    "d64-long-k-gqa4": ((1, 257, 4097, 8, 2, 64, 64), {}),
 }
 
 
 def _gluon_serves(case, settings) -> bool:
-    """Three consumer warpgroups (160 registers each) are a d <= 64 tile; three stages do not fit 256-wide heads."""
-    width = max(case[0][5:])
+    """Three consumer warpgroups (160 registers each) and blocks of 256 keys (their shared memory) are d <= 64 settings,
+    whose 256-wide heads take blocks of 64 keys; three stages do not fit 256-wide heads."""
+    return _serves_widths(case[0][5:], settings)
+
+
+def _serves_widths(widths, settings) -> bool:
+    width = max(widths)
     return not ((settings.get("gluon_consumers") == 3 and width > 64) or
+                (settings.get("gluon_block_n") == 256 and 64 < width <= 128) or
                 (settings.get("gluon_stages") == 3 and width > 128))
 
 
@@ -113,17 +123,22 @@ def test_gluon_forward_follows_the_oracle_and_repeats_its_bits(case, settings, s
 # dv != d, causal with seqlen_q != seqlen_k per sequence; a neighbour's infinite keys and values stay out of
 # every other sequence
 GLUON_PACKED_SETTINGS = {key: GLUON_SETTINGS[key] for key in ("table", "no-overlap", "pingpong", "one-cta-per-tile",
-                                                               "three-stages")}
+                                                               "three-stages", "256-key-blocks")}
 GLUON_PACKED_CASES = {
     "mixed": (([300, 1, 77, 1029, 64, 200], [300, 1, 77, 1029, 64, 200]), (4, 2, 128, 128), {}),
     "mixed-causal-rect": (([130, 0, 500, 7, 700], [70, 33, 600, 0, 900]), (8, 2, 128, 128), {"causal": True}),
     "dv64-softcap": (([257, 191, 3], [300, 100, 5]), (4, 4, 128, 64), {"softcap": 20.0}),
     "inf-next-door": (([100, 130, 70], [100, 130, 70]), (4, 4, 128, 128), {"causal": True, "poison": 1}),
+    "d64-mixed-causal": (([300, 1, 77, 1029, 64, 200], [300, 1, 77, 1029, 64, 200]), (4, 2, 64, 64),
+                         {"causal": True}),
+    "d64-inf-next-door": (([100, 300, 70], [100, 300, 70]), (4, 4, 64, 64), {"poison": 1}),
 }
+GLUON_PACKED_PARAMS = [pytest.param(case, settings, id=f"{case_id}-{settings_id}")
+                       for case_id, case in GLUON_PACKED_CASES.items()
+                       for settings_id, settings in GLUON_PACKED_SETTINGS.items() if _serves_widths(case[1][2:], settings)]
 
 
-@pytest.mark.parametrize("settings", GLUON_PACKED_SETTINGS.values(), ids=GLUON_PACKED_SETTINGS.keys())
-@pytest.mark.parametrize("case", GLUON_PACKED_CASES.values(), ids=GLUON_PACKED_CASES.keys())
+@pytest.mark.parametrize("case, settings", GLUON_PACKED_PARAMS)
 def test_gluon_forward_of_packed_batches_follows_the_oracle(case, settings, seed):
     from flashtile.reference import flash_attn_varlen_reference
 

@@ -165,6 +165,10 @@ class TritonBackend:
             if value not in (2, 3):
                 raise ValueError(f"tile setting gluon_consumers must be 2 or 3, got {value}")
             return
+        if key == "gluon_block_n":
+            if value not in (64, 128, 256):
+                raise ValueError(f"tile setting gluon_block_n must be 64, 128 or 256, got {value}")
+            return
         if key in triton_configs.ZERO_MEANS_DEFAULT and value == 0:
             return  # 0: the dQ kernel takes the dK/dV tile transposed (TritonTiles.dq_tile); no register cap
         if key.startswith(("block", "bwd_block", "dq_block")) and (value < 16 or value & (value - 1)):

@@ -23,7 +23,7 @@ class GluonTile:
     """One launch configuration of the Gluon forward (fwd_gluon.py). Its tile is 64 query rows per consumer
     warpgroup (two or three) against blocks of block_n keys."""
 
-    block_n: int = 128
+    block_n: int = 128  # 64, 128 or 256 (256-wide heads take 64: gluon_block_n)
     num_stages: int = 2  # K and V blocks in flight (the ring's stages)
     overlap: bool = True  # within each consumer, Q Kᵀ of block j + 1 issued before P V of block j
     pingpong: bool = False  # the two consumers take turns issuing their matmuls (two consumers only)
@@ -61,10 +61,10 @@ class GluonTile:
 
 
 @functools.lru_cache(maxsize=256)
-def _gluon_tile_of(stages: int, overlap: int, pingpong: int, persistent: int, consumers: int,
+def _gluon_tile_of(block_n: int, stages: int, overlap: int, pingpong: int, persistent: int, consumers: int,
                    balanced: int) -> GluonTile:
-    return GluonTile(num_stages=stages, overlap=bool(overlap), pingpong=bool(pingpong), persistent=bool(persistent),
-                     consumers=consumers, balanced=bool(balanced))
+    return GluonTile(block_n=block_n, num_stages=stages, overlap=bool(overlap), pingpong=bool(pingpong),
+                     persistent=bool(persistent), consumers=consumers, balanced=bool(balanced))
 
 
 GLUON_WIDTHS = (64, 128, 256)  # padded q/k and v head widths the Gluon forward serves (256: d == dv only)
@@ -140,6 +140,13 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
         return f"{tile.consumers} consumer warpgroups{pingpong}: it takes two or three, pingpong two"
     if tile.consumers == 3 and max(widths) > 64:
         return "three consumer warpgroups (160 registers each) take head widths up to 64"
+    if tile.block_n not in (64, 128, 256):
+        return f"keys per block (gluon_block_n) are 64, 128 or 256, got {tile.block_n}"
+    if gluon_block_n(p, tile) == 256 and tile.consumers == 3:
+        return "three consumer warpgroups (160 registers each) take blocks of up to 128 keys (256: ptxas fails)"
+    if gluon_block_n(p, tile) == 256 and tile.overlap:
+        return ("blocks of 256 keys with intra-warpgroup overlap hold two 64 x 256 score tiles at once and spill; "
+                "they run without it (gluon_overlap=0)")
     if tile.consumers == 3 and p.varlen:
         return "three consumer warpgroups (160 registers each) spill with a packed batch's bookkeeping"
     if max(widths) > 128 and widths[0] != widths[1]:
@@ -186,9 +193,10 @@ class TritonTiles:
     forward_separate_ragged_end: int = 0
     # the dQ kernel's register cap per thread in the two-launch schedules (ptxas .maxnreg); 0 = the compiler's choice
     dq_max_registers: int = 0
-    # the Gluon forward (forward_schedule 3, fwd_gluon.py): K/V ring stages, and three flags: Q Kᵀ of block j + 1
-    # issued before P V of block j (overlap), the consumer warpgroups taking turns (pingpong), one CTA per SM looping
-    # over tiles (persistent)
+    # the Gluon forward (forward_schedule 3, fwd_gluon.py): keys per block (64, 128 or 256; 256-wide heads take 64),
+    # K/V ring stages, and three flags: Q Kᵀ of block j + 1 issued before P V of block j (overlap), the consumer
+    # warpgroups taking turns (pingpong), one CTA per SM looping over tiles (persistent)
+    gluon_block_n: int = 128
     gluon_stages: int = 2
     gluon_overlap: int = 1
     gluon_pingpong: int = 0
@@ -205,8 +213,8 @@ class TritonTiles:
     @property
     def gluon_tile(self) -> GluonTile:
         """The Gluon forward's launch configuration (one object per distinct setting: a call reads it twice)."""
-        return _gluon_tile_of(self.gluon_stages, self.gluon_overlap, self.gluon_pingpong, self.gluon_persistent,
-                              self.gluon_consumers, self.gluon_balanced)
+        return _gluon_tile_of(self.gluon_block_n, self.gluon_stages, self.gluon_overlap, self.gluon_pingpong,
+                              self.gluon_persistent, self.gluon_consumers, self.gluon_balanced)
 
     @property
     def backward_one_launch(self) -> bool:
@@ -318,9 +326,13 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     settings at 12 cells), run C (-settings-loops-split-at-the-mask.jsonl: 10 settings of a build not kept, whose
     block loop was split at the band's edges and whose P was converted two elements at a time: it read the same
     within the runs' spread, and its conversion made the three-consumer tile spill under triton 3.9).
-    - no band, d = 128, and d = 64 below 4k queries or keys: two consumers, overlap, persistent in snake order, no
-      pingpong; 3 stages at d = 64 (1k: A 417 against 413 with 2 stages, C 402 against 411; cuDNN 432, 427). d = 128
-      1k / 4k / 16k, B: 546 / 604 / 616 against cuDNN 567 / 603 / 625.
+    - no band, d = 128: two consumers, overlap, persistent in snake order, no pingpong: 1k / 4k / 16k, B: 546 / 604 /
+      616 against cuDNN 567 / 603 / 625.
+    - no band, d = 64 below 4k queries or keys: two consumers, blocks of 256 keys without overlap (with it, two 64 x
+      256 score tiles spill), 2 stages, persistent in snake order. raw/2026-12-02-h200-gluon-forward-key-blocks.jsonl,
+      runs 2 and 3 at 1k: 424.3 / 421.8 against 408.1 / 410.7 for the earlier rule (blocks of 128 keys, overlap, 3
+      stages), cuDNN 420.5 and 421.6 / 426.6 and 417.7 before and after; blocks of 64 keys 354-358. From 4k the
+      three consumers stay: 481.3 / 497.1 at 4k / 16k against 474.9-484.1 / 489.3-493.6 with blocks of 256.
     - no band, d = 64 from 4k queries and keys: three consumers (192-row tiles), 2 stages, overlap; persistent in
       snake order up to 16k (4k: A / B / C 479 / 469 / 481 against two consumers' 456 / 455 / 452, cuDNN 461 / 457 /
       457), one CTA per tile from 16k (A / C 502 / 504, where the snake order read 498 / 445 / 506; cuDNN 468 / 456).
@@ -353,7 +365,7 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
         shortest = min(problem.seqlen_q, problem.seqlen_k)
         if not wide and shortest >= 4096:
             return dict(base, gluon_consumers=3, gluon_persistent=int(shortest < 16384))
-        return base if wide else dict(base, gluon_stages=3)
+        return base if wide else dict(base, gluon_block_n=256, gluon_overlap=0)
     if wide:
         return dict(base, gluon_balanced=1)
     if problem.seqlen_k >= 16384:
