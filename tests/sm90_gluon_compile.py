@@ -1,5 +1,5 @@
 """Compile for sm_90 (Hopper), on a machine without a GPU, every variant of the Gluon forward that the tile table
-can pick, and report what came out.
+can pick and the Gluon dK/dV kernel's variants (backward schedule 4), and report what came out.
 
 Gluon kernels do not run in Triton's interpreter, so CI checks them by compiling: the launcher (launch.forward_gluon)
 runs on CPU tensors with a recorder in place of the launch, each recorded launch is bound by Triton's binder for an
@@ -109,6 +109,41 @@ def recorded_gluon_launch(problem, tile):
     return launch
 
 
+def backward_problems():
+    """(label, problem) for the Gluon dK/dV kernel (backward schedule 4), one per distinct variant that
+    configs.gluon_backward_unserved_reason lets through: both query-block sizes (64 rows at d = 64, 32 where a width
+    is 128), causal and windows, GQA / MQA with ragged ends, dv != d, fp16."""
+    return [
+        ("bwd bf16 d64", problem_for(1024, 1024, 64, 64, torch.bfloat16, False)),
+        ("bwd fp16 d64 ragged causal MQA", problem_for(1000, 900, 64, 64, torch.float16, True, nheads=8, nheads_k=1)),
+        ("bwd bf16 d128 causal", problem_for(1024, 1024, 128, 128, torch.bfloat16, True)),
+        ("bwd bf16 d128 window GQA", dataclasses.replace(
+            problem_for(1000, 900, 128, 128, torch.bfloat16, False, nheads=8, nheads_k=2), window_left=100,
+            window_right=20)),
+        ("bwd bf16 d128 dv64 causal GQA", problem_for(1000, 900, 128, 64, torch.bfloat16, True, nheads=8, nheads_k=2)),
+        ("bwd bf16 d64 dv128 window GQA", dataclasses.replace(
+            problem_for(1000, 900, 64, 128, torch.bfloat16, False, nheads=8, nheads_k=2), window_left=100,
+            window_right=20)),
+        ("bwd fp16 d128", problem_for(1024, 1024, 128, 128, torch.float16, False)),
+    ]
+
+
+def recorded_gluon_backward_launch(problem):
+    """The launch of the Gluon dK/dV kernel for `problem` (dense), recorded on CPU tensors."""
+    p = problem
+    q = torch.zeros(p.batch, p.seqlen_q, p.nheads, p.headdim, dtype=p.dtype)
+    k = torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim, dtype=p.dtype)
+    v = torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim_v, dtype=p.dtype)
+    grad_out = torch.zeros(p.batch, p.seqlen_q, p.nheads, p.headdim_v, dtype=p.dtype)
+    lse = torch.zeros(p.batch, p.nheads, p.seqlen_q)
+    _, _, _, _, scalars, flags = launchers._score_args(q, None, None, p)
+    with recorded_launches() as recorded:
+        launchers._launch_dkdv_gluon(q, k, v, grad_out, lse, torch.zeros_like(lse), torch.zeros_like(k),
+                                     torch.zeros_like(v), p, scalars, flags)
+    (launch,) = recorded
+    return launch
+
+
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
          "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "CONSUMER_REGISTERS", "maxnreg")
 
@@ -169,6 +204,10 @@ def main() -> int:
             continue  # the same compiled variant as an earlier cell
         seen.add(key)
         row = report(label, recorded)
+        failed |= "error" in row
+        print(json.dumps(row), flush=True)
+    for label, problem in backward_problems():
+        row = dict(report(label, recorded_gluon_backward_launch(problem)), kernel="dkdv")
         failed |= "error" in row
         print(json.dumps(row), flush=True)
     return int(failed)

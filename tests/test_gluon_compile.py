@@ -1,8 +1,8 @@
-"""The Gluon forward compiles for Hopper (sm_90), without a GPU, in every variant the tile table can pick: with the
-Triton the H200 has (3.6.0, installed into a side directory on first use) and with the installed Triton. Gluon does
-not run in Triton's interpreter, so this is CI's check of it: the PTX uses wgmma (with the overlap's wait depth 1),
-setmaxnreg hands the consumers 240 registers and the load warps 24, TMA moves the tiles, ptxas spills nothing, and
-the shared memory fits an H200."""
+"""The Gluon forward compiles for Hopper (sm_90), without a GPU, in every variant the tile table can pick, and the
+Gluon dK/dV kernel in its variants: with the Triton the H200 has (3.6.0, installed into a side directory on first
+use) and with the installed Triton. Gluon does not run in Triton's interpreter, so this is CI's check of it: the PTX
+uses wgmma (with the overlap's wait depth 1), setmaxnreg hands the consumers 240 registers and the load warps 24,
+TMA moves the tiles, ptxas spills nothing, and the shared memory fits an H200."""
 
 from __future__ import annotations
 
@@ -61,14 +61,14 @@ def test_every_variant_compiles_with_hopper_matmuls_and_copies(compiled):
     for row in variants:
         assert "error" not in row, f"{row['label']}: {row.get('error')}"
         assert row["wgmma"] and row["tma"], f"{row['label']}: wgmma {row['wgmma']}, TMA {row['tma']}"
-        overlap = row["constexprs"]["OVERLAP"]
+        overlap = row["constexprs"].get("OVERLAP", False)  # the dK/dV kernel waits for all its matmuls
         assert row["wait_depths"] == ([0, 1] if overlap else [0]), f"{row['label']}: waits {row['wait_depths']}"
 
 
 def test_registers_move_to_the_consumers_and_nothing_spills(compiled):
     for row in _variants(compiled):
         # two consumers: 240 registers each, 24 for the loads; three: 160 each, 32 for the loads
-        consumers = row["constexprs"]["BLOCK_M"] // 64
+        consumers = 2 if row.get("kernel") == "dkdv" else row["constexprs"]["BLOCK_M"] // 64
         registers = ("160", "32") if consumers == 3 else ("240", "24")
         assert ["inc", registers[0]] in row["setmaxnreg"] and ["dec", registers[1]] in row["setmaxnreg"], \
             f"{row['label']}: setmaxnreg {row['setmaxnreg']} ({consumers} consumers)"
@@ -91,3 +91,11 @@ def test_packed_batches_compile_at_the_tables_setting_and_the_forced_ones(compil
                       "bf16 d128 packed causal True", "bf16 d64 packed causal, blocks of 256 keys",
                       "bf16 d64 packed window no overlap",
                       "fp16 d128 packed causal False", "fp16 d128 packed causal True"], packed
+
+
+def test_the_gluon_dkdv_kernel_compiles_at_both_query_block_sizes(compiled):
+    """Backward schedule 4: 64 query rows per block at d = 64, 32 where a head width is 128 (the spills, registers
+    and shared memory are checked with the forward's variants above)."""
+    rows = [row for row in _variants(compiled) if row.get("kernel") == "dkdv"]
+    assert len(rows) == 7, [row["label"] for row in rows]
+    assert {row["constexprs"]["BLOCK_M"] for row in rows} == {32, 64}

@@ -117,6 +117,42 @@ def test_gluon_forward_follows_the_oracle_and_repeats_its_bits(case, settings, s
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.bfloat16, seed)
 
 
+# The Gluon dK/dV kernel (backward schedule 4, opt-in) on the edges of its schedule: ragged key blocks and query
+# blocks, one key, one query, rows that see no key (causal with seqlen_q > seqlen_k), GQA 4:1 and MQA, dv != d with
+# padded widths, a window, both query-block sizes (64 rows at d = 64, 32 at 128); gradients through out and lse
+# against the float64 oracle, and every gradient bitwise equal on a rerun
+GLUON_BACKWARD_CASES = {
+    "d128-causal": ((2, 2048, 2048, 8, 8, 128, 128), {"causal": True}),
+    "d64-gqa4": ((2, 2048, 2048, 16, 4, 64, 64), {}),
+    "d128-mqa-causal-rect": ((1, 1000, 3000, 8, 1, 128, 128), {"causal": True}),
+    "d72-dv40-window": ((2, 1537, 1537, 4, 2, 72, 40), {"window_size": (256, 17)}),
+    "d96-long-q-causal-masked-rows": ((1, 3000, 700, 4, 2, 96, 96), {"causal": True}),
+    "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
+    "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
+    "ragged-7-causal": ((3, 7, 7, 4, 2, 64, 64), {"causal": True}),
+    "d64-dv128": ((2, 500, 600, 4, 4, 64, 128), {}),
+}
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES.values(), ids=GLUON_BACKWARD_CASES.keys())
+def test_gluon_backward_follows_the_oracle_and_repeats_its_bits(case, dtype, seed):
+    shape, kwargs = case
+    q, k, v = random_qkv(*shape, dtype, requires_grad=True)
+    with flashtile.use_backend("triton", backward_schedule=4):
+        assert "attention_bwd_dkdv_gluon_kernel (Gluon" in flashtile.explain(q, k, v, **kwargs)
+        with pytest.warns(RuntimeWarning, match="backward_schedule=4"):
+            got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+            grads, (grad_out, grad_lse), _ = assert_attention_follows_the_eager_rule(
+                got, flash_attn_reference(q, k, v, **kwargs), flash_attn_reference(q, k, v, dtype=dtype, **kwargs),
+                (q, k, v), dtype, seed)
+            out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+            lse = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
+            again = torch.autograd.grad((out.double() * grad_out).sum() + (lse.double() * grad_lse).sum(), (q, k, v))
+    for name, first, second in zip(("dq", "dk", "dv"), grads, again):
+        assert torch.equal(first.view(torch.int16), second.view(torch.int16)), f"{name}: a rerun changed bits"
+
+
 # Packed batches through the Gluon forward, forced in each of its settings that serve them (the launcher's deal and
 # three consumers do not): ragged sequences beside long ones (a tile of one runs past its end into the next, whose
 # rows it must neither read into its result nor overwrite), a sequence without keys, one of a single key, GQA,
@@ -135,7 +171,8 @@ GLUON_PACKED_CASES = {
 }
 GLUON_PACKED_PARAMS = [pytest.param(case, settings, id=f"{case_id}-{settings_id}")
                        for case_id, case in GLUON_PACKED_CASES.items()
-                       for settings_id, settings in GLUON_PACKED_SETTINGS.items() if _serves_widths(case[1][2:], settings)]
+                       for settings_id, settings in GLUON_PACKED_SETTINGS.items()
+                       if _serves_widths(case[1][2:], settings)]
 
 
 @pytest.mark.parametrize("case, settings", GLUON_PACKED_PARAMS)

@@ -105,14 +105,13 @@ def gluon_shared_bytes(problem: AttentionProblem, tile: GluonTile) -> int:
     return _gluon_bytes(problem, tile, gluon_shares_qo(problem, tile))
 
 
-def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
-    """Why the Gluon forward does not serve `problem` ('' where it does); the tensors' alignment is checked at
-    launch (launch.gluon_unserved)."""
+def _gluon_platform_reason(p: AttentionProblem) -> str:
+    """Why no Gluon kernel serves `p` on this process's Triton and GPU ('' where one may): no Gluon, another Triton
+    release, the interpreter or another GPU, another dtype, an attn_mask."""
     import triton
 
     from . import gluon_compat
 
-    p = problem
     if not gluon_compat.AVAILABLE:
         return gluon_compat.UNAVAILABLE_REASON
     if triton.__version__ not in GLUON_TRITON_VERSIONS:
@@ -127,6 +126,41 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
         return f"it takes fp16 / bf16, not {p.dtype}"
     if p.mask_kind is not None:
         return f"an attn_mask ({p.mask_kind}) runs the Triton kernels"
+    return ""
+
+
+def gluon_backward_tile(problem: AttentionProblem) -> tuple[int, int]:
+    """(query rows per block, Q / dO ring stages) of the Gluon dK/dV kernel (bwd_gluon.py): 64 rows where both head
+    widths pad to 64, else 32 (at 64, with a 128-wide dK or dV accumulator, ptxas spills: the transposed score tiles'
+    per-column lse and delta take 16 registers each); 2 stages. Not tuned on a GPU."""
+    wide = max(padded_width(problem.headdim), padded_width(problem.headdim_v)) > 64
+    return (32 if wide else 64), 2
+
+
+def gluon_backward_unserved_reason(problem: AttentionProblem) -> str:
+    """Why the Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py) does not serve `problem` ('' where it does); the
+    tensors' alignment is checked at launch."""
+    p = problem
+    reason = _gluon_platform_reason(p)
+    if reason:
+        return reason
+    if p.varlen:
+        return "packed batches run the Triton backward (the Gluon dK/dV kernel takes dense batches)"
+    if p.softcap > 0 or p.has_alibi:
+        return "softcap and ALiBi run the Triton backward (their extra score tiles spill the Gluon kernel's registers)"
+    widths = padded_width(p.headdim), padded_width(p.headdim_v)
+    if not all(w in (64, 128) for w in widths):
+        return f"head dims {p.headdim} / {p.headdim_v} pad to widths {widths[0]} / {widths[1]}, not 64 or 128"
+    return ""
+
+
+def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
+    """Why the Gluon forward does not serve `problem` ('' where it does); the tensors' alignment is checked at
+    launch (launch.gluon_unserved)."""
+    p = problem
+    reason = _gluon_platform_reason(p)
+    if reason:
+        return reason
     if p.varlen and tile.persistent and tile.balanced:
         return ("the launcher's deal of tiles (gluon_balanced) needs the sequences' lengths on the host, which a "
                 "packed batch keeps on the GPU")
@@ -238,10 +272,21 @@ class TritonTiles:
             reason = gluon_unserved_reason(problem, self.gluon_tile)
             forward = (f"forward: the Gluon forward does not serve this call ({reason}), so {triton_forward}" if reason
                        else f"forward ({FORWARD_SCHEDULES[3]}): {self.gluon_tile.describe()}")
-        return (f"{forward}; backward "
-                f"({BACKWARD_SCHEDULES[self.backward_schedule]}) BLOCK_M {self.bwd_block_m} x BLOCK_N "
-                f"{self.bwd_block_n}, {self.bwd_num_warps} warps, {self.bwd_num_stages} stages; dQ programs "
-                f"{dq_rows} query rows x {dq_keys} keys, {dq_warps} warps{dq_registers}")
+        dq_programs = f"; dQ programs {dq_rows} query rows x {dq_keys} keys, {dq_warps} warps{dq_registers}"
+        # where the Gluon dK/dV kernel does not serve a call, the two-launch TMA schedule runs
+        triton_schedule = 2 if self.backward_schedule in GLUON_BACKWARD_SCHEDULES else self.backward_schedule
+        triton_backward = (f"backward ({BACKWARD_SCHEDULES[triton_schedule]}) BLOCK_M "
+                           f"{self.bwd_block_m} x BLOCK_N {self.bwd_block_n}, {self.bwd_num_warps} warps, "
+                           f"{self.bwd_num_stages} stages{dq_programs}")
+        backward = triton_backward
+        if self.backward_schedule in GLUON_BACKWARD_SCHEDULES:
+            reason = gluon_backward_unserved_reason(problem)
+            rows, stages = gluon_backward_tile(problem)
+            backward = (f"backward: the Gluon dK/dV kernel does not serve this call ({reason}), so "
+                        f"{triton_backward}" if reason else
+                        f"backward ({BACKWARD_SCHEDULES[self.backward_schedule]}): 128 keys per CTA against "
+                        f"{rows} query rows per block, {stages} Q / dO stages, one CTA per key block{dq_programs}")
+        return f"{forward}; {backward}"
 
 
 FORWARD_SCHEDULES = {
@@ -267,7 +312,11 @@ BACKWARD_SCHEDULES = {
         "streamed tiles loaded through host-side TMA descriptors when strides are 16-byte aligned, there is more "
         "than one key and there is no attn_mask (packed batches: the interior blocks; their edge blocks by pointer "
         "loads)"),
+    4: ("attention_bwd_dq_kernel (which also computes each row's delta), then attention_bwd_dkdv_gluon_kernel "
+        "(Gluon, explicit warp roles: a load warpgroup streaming Q and dO by TMA, two wgmma consumer warpgroups of "
+        "64 keys each)"),
 }
+GLUON_BACKWARD_SCHEDULES = (4,)  # the Gluon dK/dV kernel; where it does not serve a call, schedule 2 runs
 
 TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
 DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV tile transposed (TritonTiles.dq_tile)

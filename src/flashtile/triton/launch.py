@@ -29,6 +29,7 @@ from .decode import attention_decode_combine_kernel, attention_decode_kernel
 from .fwd import attention_fwd_kernel
 from .fwd_tma import attention_fwd_tma_kernel
 from . import gluon_compat
+from .bwd_gluon import WARPGROUP_KEYS, attention_bwd_dkdv_gluon_kernel
 from .fwd_gluon import WARPGROUP_ROWS, attention_fwd_gluon_kernel
 from .relaunch import FixedLaunch, launch, launch_fixed
 
@@ -146,6 +147,12 @@ WARP_SPECIALIZED_WARNING = (
     "forward_schedule=2 (warp-specialized, opt-in) is experimental: on an H200 under triton 3.6, reruns beside "
     "other GPU processes returned NaN in out and inf in lse 3 times in 382,482 (BENCHMARKS.md); "
     "use the default table for anything that matters")
+
+
+# once per process: the Gluon dK/dV kernel is opt-in until it has run on a GPU
+GLUON_BACKWARD_WARNING = (
+    "backward_schedule=4 (the Gluon dK/dV kernel, opt-in) is experimental: CI compiles it for sm_90, and flashtile's "
+    "tests have not yet run it on a GPU; use the default table for anything that matters")
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -420,6 +427,11 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     has_dlse = grad_lse is not None
     grad_lse = grad_lse.float().contiguous() if has_dlse else lse  # never read without HAS_DLSE
     delta = torch.empty_like(lse)
+    # backward schedule 4: the two-launch schedule with the Gluon dK/dV kernel where it serves the call
+    gluon_dkdv = (tiles.backward_schedule in configs.GLUON_BACKWARD_SCHEDULES and k.shape[1] > 0
+                  and not gluon_backward_unserved(q, k, v, grad_out, p))
+    if gluon_dkdv:
+        warnings.warn(GLUON_BACKWARD_WARNING, RuntimeWarning, stacklevel=2)
     inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
               *_row_strides(grad_out, batch_q))
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
@@ -447,12 +459,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     if tiles.backward_one_launch and k.shape[1] > 0:
         # a dK/dV program may run before the dQ program of its query rows: delta from a launch of its own. Rows
         # are independent there: a packed batch is one long sequence to the preprocess kernel
-        rows, batch = out.shape[1], out.shape[0]
-        row_programs = _cdiv(rows, 64)
-        launch(
-            attention_bwd_preprocess_kernel, _grid(row_programs * batch * p.nheads), (out, grad_out, grad_lse, delta),
-            (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows, row_programs),
-            HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
+        _launch_delta(out, grad_out, grad_lse, delta, p, flags["BLOCK_DV"], has_dlse)
         launch(
             attention_bwd_kernel, _grid((key_programs * p.nheads_k + query_programs * p.nheads) * p.batch),
             (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k),
@@ -470,7 +477,9 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
          query_programs, *scalars),
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, HAS_DLSE=has_dlse, **dict(bwd, num_warps=dq_warps),
         **_register_cap(tiles.dq_max_registers))
-    if k.shape[1] > 0:
+    if gluon_dkdv:
+        _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, p, scalars, flags)
+    elif k.shape[1] > 0:
         launch(
             attention_bwd_dkdv_kernel, _grid(key_programs * p.batch * p.nheads_k),
             (q, k, v, grad_out, *descriptors, lse, delta, dk, dv, slopes, mask, cu_q, cu_k),
@@ -478,6 +487,48 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
              key_programs, *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
     return dq, dk, dv
+
+
+def _launch_delta(out, grad_out, grad_lse, delta, problem: AttentionProblem, block_dv: int, has_dlse: bool):
+    """delta = rowsum(dO * O) - dlse of every query row (attention_bwd_preprocess_kernel). Rows are independent: a
+    packed batch is one long sequence here."""
+    rows, batch = out.shape[1], out.shape[0]
+    row_programs = _cdiv(rows, 64)
+    launch(
+        attention_bwd_preprocess_kernel, _grid(row_programs * batch * problem.nheads), (out, grad_out, grad_lse, delta),
+        (*_row_strides(out, 1), *_row_strides(grad_out, 1), problem.nheads, rows, row_programs),
+        HEADDIM_V=problem.headdim_v, BLOCK_M=64, BLOCK_DV=block_dv, HAS_DLSE=has_dlse)
+
+
+def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem) -> str:
+    """Why the Gluon dK/dV kernel cannot run this call ('' when it can): configs.gluon_backward_unserved_reason,
+    then the tensors."""
+    reason = configs.gluon_backward_unserved_reason(problem)
+    if reason:
+        return reason
+    if not _tma_ready((q, k, v, grad_out), None):
+        return "TMA needs 16-byte aligned base addresses and strides and non-empty tensors"
+    return ""
+
+
+def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: AttentionProblem, scalars, flags):
+    """The Gluon dK/dV kernel (bwd_gluon.py) of a dense call that gluon_backward_unserved accepts: dk and dv (the
+    flash layout, contiguous) from delta, which the dQ kernel stored."""
+    p = problem
+    block_m, stages = configs.gluon_backward_tile(p)
+    block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
+    key_programs = _cdiv(p.seqlen_k, 2 * WARPGROUP_KEYS)
+    programs = key_programs * p.batch * p.nheads_k  # one CTA per key block (of 128 keys, two consumers' 64)
+    launch(
+        attention_bwd_dkdv_gluon_kernel, _grid(programs),
+        (_gluon_heads_view(q, block_m, block_d), _gluon_heads_view(k, WARPGROUP_KEYS, block_d),
+         _gluon_heads_view(v, WARPGROUP_KEYS, block_dv), _gluon_heads_view(grad_out, block_m, block_dv),
+         _gluon_heads_view(dk, WARPGROUP_KEYS, block_d), _gluon_heads_view(dv, WARPGROUP_KEYS, block_dv),
+         lse, delta),
+        (lse.stride(0), lse.stride(1), p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, programs,
+         *scalars),
+        BLOCK_M=block_m, NUM_STAGES=stages, HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"],
+        SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], CONSUMER_REGISTERS=240, num_warps=4, maxnreg=168)
 
 
 def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4, min_blocks: int = 4,

@@ -1,0 +1,226 @@
+"""Attention backward, dK and dV with explicit warp roles (FlashAttention-3's schedule), written in Gluon.
+
+The arithmetic of bwd.py's dK/dV programs (recompute P from the saved log-sum-exp, dV += Pᵀ dO, dP = dO Vᵀ,
+dS = P ∘ (dP − delta), dK += dSᵀ Q, tiles transposed so that keys are rows), run by the roles of one CTA, each a
+partition of `gl.warp_specialize`:
+
+- the loads: the default partition (4 warps) loads the CTA's block of 128 keys of K and V once (each consumer's 64
+  rows completing its own barrier), then streams, for every query head of the K/V head's group and every query block
+  of BLOCK_M rows that sees the keys, Q and dO through a ring of NUM_STAGES shared-memory stages by TMA; a stage is
+  refilled once both consumers have released it;
+- two consumer warpgroups, each owning 64 of the block's keys and their dK and dV accumulators in registers. Per
+  query block: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ as asynchronous wgmma (every operand in shared memory), then Pᵀ and dSᵀ in
+  registers, then dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ and dSᵀ converted in registers to the wgmma's A operand.
+  Once its query blocks are done a consumer stages dK (times the softmax scale) and dV in its K and V buffers and
+  stores them by TMA.
+dQ and delta come from bwd.py's dQ kernel, which runs first (backward schedule 4: every gradient bitwise
+reproducible).
+
+Tiles are key blocks of each (batch entry, K/V head), a head's blocks consecutive; with a band closing on the right
+(causal) the first blocks see the most query rows, so the order is longest first. A CTA takes every
+gl.num_programs(0)-th tile (the launcher gives one CTA per tile).
+
+Descriptors: Q, K, V, dO, dK and dV are host-side 4-D (batch, heads, rows, dim) views of the (batch, rows, heads,
+dim) tensors whose [1, 1, rows, width] box is one head's tile: the copy engine zero-fills rows past a sequence's
+end (their queries have lse +inf and their keys are masked, so they contribute nothing) and clips the stores there.
+
+What it serves: fp16 / bf16, dense batches, head dims whose padded widths are 64 or 128 (q/k and v apart), causal
+(bottom-right) and sliding windows with block skipping, GQA/MQA summed over the group in registers, a gradient
+through the lse (in delta). Softcap and ALiBi (whose extra tiles spill its registers) and everything else run
+bwd.py's kernels (configs.gluon_backward_unserved_reason).
+"""
+
+from .common import band_mask, query_block_bounds
+from .gluon_compat import (AVAILABLE, fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma, tma_load,
+                           tma_store, warpgroup_mma, warpgroup_mma_wait)
+
+# key rows per consumer warpgroup (one wgmma's M is 64 for a warpgroup of 4 warps); a CTA's key block is two of them
+WARPGROUP_KEYS = 64
+CONSUMERS = 2
+
+attention_bwd_dkdv_gluon_kernel = None  # without Gluon (configs.gluon_backward_unserved_reason then says so)
+
+if AVAILABLE:
+    _KEYS = gl.constexpr(WARPGROUP_KEYS)
+    _CONSUMERS = gl.constexpr(CONSUMERS)
+
+    @gluon.jit
+    def _key_block(tile, key_programs, nheads_k):
+        """(first key, batch entry, K/V head) of tile number `tile`: the key blocks of a head consecutive, first
+        first (with a band closing on the right, the longest)."""
+        bh = tile // key_programs
+        return (tile % key_programs) * (_CONSUMERS * _KEYS), bh // nheads_k, bh % nheads_k
+
+    @gluon.jit
+    def _producer(descs, smem, bars, sizes, score_args, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+        """The load warps: the CTA's K and V rows once, then Q and dO of every query block that sees them."""
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
+        q_smem, k_smem, v_smem, do_smem = smem
+        kv_ready, kv_empty, qdo_ready, qdo_empty = bars
+        nheads_k, group_size, seqlen_q, seqlen_k, key_programs, tiles = sizes
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
+        it = 0
+        tiles_done = 0
+        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            n0, b, hk = _key_block(tile, key_programs, nheads_k)
+            for w in gl.static_range(_CONSUMERS):
+                # the consumer has stored the previous tile's dK and dV from these buffers
+                mbarrier.wait(kv_empty.index(w), (tiles_done & 1) ^ 1)
+                mbarrier.expect(kv_ready.index(w), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma_load(k_desc, [b, hk, n0 + w * _KEYS, 0], kv_ready.index(w), k_smem.index(w))
+                tma_load(v_desc, [b, hk, n0 + w * _KEYS, 0], kv_ready.index(w), v_smem.index(w))
+            lo, full_lo, full_hi, hi = query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left,
+                                                          window_right, BLOCK_M, _CONSUMERS * _KEYS, HAS_LEFT,
+                                                          HAS_RIGHT)
+            for g in range(group_size):
+                h = hk * group_size + g
+                for m0 in range(lo, hi, BLOCK_M):
+                    stage = it % NUM_STAGES
+                    mbarrier.wait(qdo_empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+                    mbarrier.expect(qdo_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                    tma_load(q_desc, [b, h, m0, 0], qdo_ready.index(stage), q_smem.index(stage))
+                    tma_load(do_desc, [b, h, m0, 0], qdo_ready.index(stage), do_smem.index(stage))
+                    it += 1
+            tiles_done += 1
+
+    @gluon.jit
+    def _transposed_scores(qk, offs_k, offs_q, seqlen_q, seqlen_k, score_args, masked, HAS_LEFT: gl.constexpr,
+                           HAS_RIGHT: gl.constexpr, SCALE_IN_EXP2: gl.constexpr):
+        """The scores of a transposed tile (keys as rows) from its raw products, as common.scores: base 2, or with
+        SCALE_IN_EXP2 the unscaled products; -inf outside the band and past either end where `masked` (a runtime
+        flag: only the band's edge blocks and the ragged ends pay for the mask)."""
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
+        if SCALE_IN_EXP2:
+            s = qk
+        else:
+            s = qk * score_scale
+        if masked:
+            s = band_mask(s, offs_q[None, :], offs_k[:, None], seqlen_q, seqlen_k, diagonal_offset, window_left,
+                          window_right, HAS_LEFT, HAS_RIGHT)
+        return s
+
+    @gluon.jit
+    def _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SCALE_IN_EXP2: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup WG: dK and dV of keys [n0 + 64 WG, n0 + 64 WG + 64) of the CTA's block."""
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
+        q_smem, k_smem, v_smem, do_smem = smem
+        kv_ready, kv_empty, qdo_ready, qdo_empty = bars
+        nheads_k, group_size, seqlen_q, seqlen_k, key_programs, tiles = sizes
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
+        Lse, Delta, sm_scale, stride_lse_b, stride_lse_h = stats
+        BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_DV: gl.constexpr = do_desc.block_type.shape[3]
+        dtype: gl.constexpr = q_desc.dtype
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_D, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_DV, 16])
+        pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        dst_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+        query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+        k_tile = k_smem.index(WG).reshape([_KEYS, BLOCK_D])
+        v_tile = v_smem.index(WG).reshape([_KEYS, BLOCK_DV])
+        it = 0
+        tiles_done = 0
+        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            n0, b, hk = _key_block(tile, key_programs, nheads_k)
+            offs_k = n0 + WG * _KEYS + gl.arange(0, _KEYS, layout=key_layout)
+            lo, full_lo, full_hi, hi = query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left,
+                                                          window_right, BLOCK_M, _CONSUMERS * _KEYS, HAS_LEFT,
+                                                          HAS_RIGHT)
+            dk = gl.zeros([_KEYS, BLOCK_D], gl.float32, layout=dk_layout)
+            dv = gl.zeros([_KEYS, BLOCK_DV], gl.float32, layout=dv_layout)
+            mbarrier.wait(kv_ready.index(WG), tiles_done & 1)
+            for g in range(group_size):
+                h = hk * group_size + g
+                row_base = b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h
+                for m0 in range(lo, hi, BLOCK_M):
+                    stage = it % NUM_STAGES
+                    offs_q = m0 + gl.arange(0, BLOCK_M, layout=query_layout)
+                    mbarrier.wait(qdo_ready.index(stage), (it // NUM_STAGES) & 1)
+                    q_block = q_smem.index(stage).reshape([BLOCK_M, BLOCK_D])
+                    do_block = do_smem.index(stage).reshape([BLOCK_M, BLOCK_DV])
+                    st = warpgroup_mma(k_tile, q_block.permute((1, 0)),
+                                       gl.zeros([_KEYS, BLOCK_M], gl.float32, layout=st_layout),
+                                       use_acc=False, is_async=True)
+                    dpt = warpgroup_mma(v_tile, do_block.permute((1, 0)),
+                                        gl.zeros([_KEYS, BLOCK_M], gl.float32, layout=st_layout),
+                                        use_acc=False, is_async=True)
+                    # the rows' statistics load under the matmuls. Rows past the queries read lse +inf, so that
+                    # P = exp2(s - lse) = 0 there, as for rows that saw no key (lse -inf)
+                    in_rows = offs_q < seqlen_q
+                    lse = gl.load(Lse + row_base + offs_q, mask=in_rows, other=float("-inf"))
+                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                    delta = gl.load(Delta + row_base + offs_q, mask=in_rows, other=0.0)
+                    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+                    s = _transposed_scores(st, offs_k, offs_q, seqlen_q, seqlen_k, score_args,
+                                           (m0 < full_lo) | (m0 >= full_hi), HAS_LEFT, HAS_RIGHT, SCALE_IN_EXP2)
+                    if SCALE_IN_EXP2:
+                        p = gl.exp2(s * score_scale - lse2[None, :])
+                    else:
+                        p = gl.exp2(s - lse2[None, :])
+                    ds = p * (dpt - delta[None, :])
+                    dv = warpgroup_mma(gl.convert_layout(p.to(dtype), pt_layout), do_block, dv, is_async=True)
+                    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), dst_layout), q_block, dk, is_async=True)
+                    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                    # Q and dO are read: release the stage (one thread arrives; a warpgroup's wgmma is one collective
+                    # operation)
+                    mbarrier.arrive(qdo_empty.index(stage), count=1)
+                    it += 1
+            # the K and V rows are no longer read (every wgmma above is complete): stage dK and dV there and store them
+            k_tile.store((dk * sm_scale).to(dtype))
+            v_tile.store(dv.to(dtype))
+            fence_async_shared()
+            thread_barrier()
+            tma_store(dk_desc, [b, hk, n0 + WG * _KEYS, 0], k_smem.index(WG))
+            tma_store(dv_desc, [b, hk, n0 + WG * _KEYS, 0], v_smem.index(WG))
+            # the stores have read the buffers: the producer may load the next tile's K and V there
+            tma.store_wait(0)
+            thread_barrier()
+            mbarrier.arrive(kv_empty.index(WG), count=1)
+            tiles_done += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def attention_bwd_dkdv_gluon_kernel(
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, stride_lse_b, stride_lse_h,
+        nheads_k, group_size, seqlen_q, seqlen_k, key_programs, tiles,
+        sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+        BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+        SCALE_IN_EXP2: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+    ):
+        # shared memory: each consumer's K and V rows (then its dK / dV staging), the Q / dO ring
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [_CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [_CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(_CONSUMERS):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(qdo_ready.index(i), count=1)
+            mbarrier.init(qdo_empty.index(i), count=_CONSUMERS)  # both consumers release a stage
+        descs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc)
+        smem = (q_smem, k_smem, v_smem, do_smem)
+        bars = (kv_ready, kv_empty, qdo_ready, qdo_empty)
+        sizes = (nheads_k, group_size, seqlen_q, seqlen_k, key_programs, tiles)
+        score_args = (score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right)
+        stats = (Lse, Delta, sm_scale, stride_lse_b, stride_lse_h)
+        # as in fwd_gluon.py: the loads are the default partition (it calls no helper on distributed tensors), the
+        # constexprs go in the partitions' argument lists themselves
+        gl.warp_specialize([
+            (_producer, (descs, smem, bars, sizes, score_args, BLOCK_M, NUM_STAGES, HAS_LEFT, HAS_RIGHT)),
+            (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
+                         SCALE_IN_EXP2, 0)),
+            (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
+                         SCALE_IN_EXP2, 1)),
+        ], [4, 4], [CONSUMER_REGISTERS] * 2)

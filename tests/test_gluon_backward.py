@@ -1,0 +1,90 @@
+"""The Gluon dK/dV kernel (backward schedule 4, opt-in): which calls it serves and why it turns the others away,
+what explain() says, and that a call it does not serve runs backward schedule 2 with the same result. CI compiles
+it for sm_90 (tests/test_gluon_compile.py); tests/test_gpu.py checks its gradients on an H200."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.triton import configs
+
+from conftest import DEVICE, random_qkv
+from sm90_launches import problem_for
+
+HOPPER = (9, 0)
+
+
+def _on_a_hopper(monkeypatch):
+    """gluon_backward_unserved_reason as on an H200: a CUDA problem, compute capability 9.0, the kernels compiled."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: HOPPER)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(), ""),
+    (dict(window_left=100, window_right=20), ""),
+    (dict(nheads_k=1), ""),  # MQA: the group's query heads summed in registers
+    (dict(headdim=96, headdim_v=40), ""),  # pads to 128 / 64
+    (dict(dtype=torch.float32), "it takes fp16 / bf16, not torch.float32"),
+    (dict(mask_kind="bool"), "an attn_mask (bool) runs the Triton kernels"),
+    (dict(varlen=True), "packed batches run the Triton backward (the Gluon dK/dV kernel takes dense batches)"),
+    (dict(softcap=30.0), "softcap and ALiBi run the Triton backward (their extra score tiles spill the Gluon "
+                         "kernel's registers)"),
+    (dict(has_alibi=True), "softcap and ALiBi run the Triton backward (their extra score tiles spill the Gluon "
+                           "kernel's registers)"),
+    (dict(headdim=256, headdim_v=256), "head dims 256 / 256 pad to widths 256 / 256, not 64 or 128"),
+    (dict(headdim=32, headdim_v=32), "head dims 32 / 32 pad to widths 32 / 32, not 64 or 128")])
+def test_the_gluon_backward_names_why_it_turns_a_call_away(monkeypatch, change, reason):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, True), device=torch.device("cuda"),
+                                  **change)
+    assert configs.gluon_backward_unserved_reason(problem) == reason
+
+
+def test_its_query_blocks_are_64_rows_at_d64_and_32_where_a_head_is_128_wide():
+    tile = lambda d, dv: configs.gluon_backward_tile(problem_for(1024, 1024, d, dv, torch.bfloat16, False))  # noqa
+    assert (tile(64, 64), tile(128, 128), tile(64, 128), tile(128, 64), tile(40, 40)) == (
+        (64, 2), (32, 2), (32, 2), (32, 2), (64, 2))
+
+
+@pytest.mark.parametrize("headdim", (64, 128))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_the_table_does_not_pick_it_before_it_is_measured(headdim, causal):
+    for seqlen in (1024, 4096, 16384):
+        tiles = configs.default_tiles(problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal), HOPPER)
+        assert tiles.backward_schedule not in configs.GLUON_BACKWARD_SCHEDULES
+
+
+def test_explain_names_the_gluon_dkdv_kernel_and_its_tile(monkeypatch):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, True), device=torch.device("cuda"))
+    tiles = dataclasses.replace(configs.default_tiles(problem, HOPPER), backward_schedule=4)
+    text = tiles.describe(problem)
+    assert ("backward (attention_bwd_dq_kernel (which also computes each row's delta), then "
+            "attention_bwd_dkdv_gluon_kernel (Gluon, explicit warp roles") in text
+    assert "128 keys per CTA against 32 query rows per block, 2 Q / dO stages, one CTA per key block; dQ programs" \
+        in text
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="on a CPU: the Gluon kernel cannot run there, so it turns the call "
+                                                 "away (on an H200 tests/test_gpu.py runs it)")
+def test_a_call_it_turns_away_runs_backward_schedule_2_and_explain_says_why(seed):
+    q, k, v = random_qkv(2, 100, 130, 4, 2, 64, 64, torch.float16, requires_grad=True)
+    grad_out = torch.randn(2, 100, 4, 64, dtype=torch.float16)
+    grads = {}
+    for schedule in (4, 2):
+        with flashtile.use_backend("triton", backward_schedule=schedule, block_m=16, block_n=16, bwd_block_m=16,
+                                   bwd_block_n=16):
+            text = flashtile.explain(q, k, v, causal=True)
+            out = flashtile.flash_attn_func(q, k, v, causal=True)
+            grads[schedule] = torch.autograd.grad(out, (q, k, v), grad_out)
+        if schedule == 4:
+            assert ("backward: the Gluon dK/dV kernel does not serve this call (Gluon kernels do not run in Triton's "
+                    "CPU interpreter), so backward (attention_bwd_dq_kernel (which also computes each row's delta), "
+                    "then attention_bwd_dkdv_kernel, streamed tiles") in text, text
+    for name, a, b in zip(("dq", "dk", "dv"), grads[4], grads[2]):
+        assert torch.equal(a, b), name
