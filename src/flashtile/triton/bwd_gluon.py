@@ -46,8 +46,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _key_block(tile, key_programs, nheads_k):
-        """(first key, batch entry, K/V head) of tile number `tile`: the key blocks of a head consecutive, first
-        first (with a band closing on the right, the longest)."""
+        """(first key, batch entry, K/V head) of tile number `tile`: a head's key blocks consecutive, from its first
+        (with a band closing on the right, the one that the most query rows see)."""
         bh = tile // key_programs
         return (tile % key_programs) * (_CONSUMERS * _KEYS), bh // nheads_k, bh % nheads_k
 
