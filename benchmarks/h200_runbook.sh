@@ -22,9 +22,12 @@
 #   bash benchmarks/h200_runbook.sh gluonstress  # the Gluon forward's first-call compile time; its GPU tests beside
 #                                             # reruns (four dense processes: d = 128 and d = 64, without and with a
 #                                             # causal band; one packed batch) and compute-sanitizer; racecheck controls
+#   bash benchmarks/h200_runbook.sh gluonbwd  # the Gluon dK/dV kernel (backward schedule 4): its GPU tests, its
+#                                             # gradients against the oracle, backward times on the 12-cell grid
+#                                             # beside the table's backward, cuDNN and FA2, reruns
 # Robustness checks of their own (one-query / one-key shapes, memcheck of padded head dims): benchmarks/gpu_checks.sh.
 set -u
-stage=${1:?stage: tests, grid128, grid64, decode, host, wsstress or gluonstress}
+stage=${1:?stage: tests, grid128, grid64, decode, host, wsstress, gluonstress or gluonbwd}
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -104,5 +107,15 @@ case $stage in
     done
     tail -2 "$out/tests.txt"; grep -h "^FAILED\|^ERROR" "$out/tests.txt" | head; grep -h "stress\|differs\|reruns" \
       "$out"/stress*.txt; grep -h "SUMMARY\|FAILED" "$out"/gluon-*check.txt "$out"/racecheck-control-*.txt ;;
+  gluonbwd)
+    FLASHTILE_TEST_DEVICE=cuda timeout 150 python -m pytest -q -n 8 -p no:cacheprovider -rfE tests/test_gpu.py \
+      -k gluon_backward > "$out/gluon-backward-tests.txt" 2>&1
+    tail -2 "$out/gluon-backward-tests.txt"; grep -h "^FAILED\|^ERROR" "$out/gluon-backward-tests.txt" | head
+    timeout 120 python benchmarks/gluon_backward.py check > "$out/gluon-backward-check.txt" 2>&1
+    grep -c ": ok" "$out/gluon-backward-check.txt"; grep -h "FAILED\|serve" "$out/gluon-backward-check.txt" | head
+    timeout 200 python benchmarks/gluon_backward.py time > "$out/$date-h200-gluon-backward-grid.jsonl" 2>&1
+    cut -c1-200 "$out/$date-h200-gluon-backward-grid.jsonl"
+    timeout 90 python benchmarks/gluon_backward.py reruns 300 > "$out/gluon-backward-reruns.txt" 2>&1
+    cat "$out/gluon-backward-reruns.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,0 +1,189 @@
+"""The Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py) on an H200: gradients against the float64 oracle with
+bitwise reruns, and backward times beside the table's Triton backward, cuDNN and FA2 (SDPA's flash backend).
+
+    python benchmarks/gluon_backward.py check          # small and ragged cases, bf16 and fp16: dq, dk, dv (through
+                                                       # out and lse) within 2x the eager error; a rerun bitwise equal
+    python benchmarks/gluon_backward.py time [CELLS]   # backward alone on the 12-cell grid (or CELLS like
+                                                       # d128n4096c1,d64n1024c0): schedule 4, the table's schedule,
+                                                       # cuDNN, FA2; TFLOP/s and the kernels' names from the profiler
+    python benchmarks/gluon_backward.py reruns N       # N forward + backward reruns of two shapes under schedule 4:
+                                                       # no NaN, no changed bit
+
+Inputs are random from fixed seeds; times are triton.testing.do_bench medians of one torch.autograd.grad over a kept
+graph, in the FlashAttention benchmark convention (16,384 tokens per batch, model width 2048; backward FLOPs 2.5 x
+the forward's 4 B H N^2 d, halved for causal).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import torch
+import triton
+import triton.testing
+
+import flashtile
+from flashtile._measure import timed_kernels
+from flashtile.reference import flash_attn_reference
+
+DEVICE = torch.device("cuda")
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v), options
+CASES = {
+    "d128 causal": ((2, 1024, 1024, 4, 4, 128, 128), {"causal": True}),
+    "d64 GQA 4:1": ((2, 1024, 1024, 8, 2, 64, 64), {}),
+    "d128 MQA causal sq < sk": ((1, 500, 1500, 8, 1, 128, 128), {"causal": True}),
+    "d72 dv40 window": ((2, 777, 777, 4, 2, 72, 40), {"window_size": (100, 17)}),
+    "d96 causal sq > sk (masked rows)": ((1, 1500, 400, 4, 2, 96, 96), {"causal": True}),
+    "one key": ((2, 113, 1, 4, 4, 64, 64), {}),
+    "one query causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
+    "ragged 7 causal": ((3, 7, 7, 4, 2, 64, 64), {"causal": True}),
+    "d64 dv128": ((2, 500, 600, 4, 4, 64, 128), {}),
+    "|scores| ~ 1e3": ((1, 300, 700, 4, 4, 128, 128), {"scale_q": 30.0}),
+}
+
+
+def _inputs(shape, dtype, seed, scale_q=1.0):
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v = shape
+
+    def make(*dims, scale=1.0):
+        return (torch.randn(*dims, device=DEVICE, dtype=torch.float32, generator=generator) * scale).to(dtype)
+
+    q = make(batch, seqlen_q, nheads, headdim, scale=scale_q)
+    return (q.requires_grad_(), make(batch, seqlen_k, nheads_k, headdim).requires_grad_(),
+            make(batch, seqlen_k, nheads_k, headdim_v).requires_grad_())
+
+
+def _grads(q, k, v, grad_out, grad_lse, options, schedule=None):
+    """dq, dk, dv of <out, grad_out> + <lse, grad_lse> (rows that see no key left out of the lse term)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the opt-in schedule's warning
+        if schedule is None:
+            out, lse = flash_attn_reference(q, k, v, **options)
+        else:
+            with flashtile.use_backend("triton", backward_schedule=schedule):
+                out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **options)
+        lse = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
+        loss = (out.double() * grad_out).sum() + (lse.double() * grad_lse).sum()
+        return torch.autograd.grad(loss, (q, k, v))
+
+
+def _error(a, b) -> float:
+    return (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item() if a.numel() else 0.0
+
+
+def check() -> bool:
+    ok = True
+    for dtype in (torch.bfloat16, torch.float16):
+        for seed, (name, (shape, options)) in enumerate(CASES.items()):
+            options = dict(options)
+            q, k, v = _inputs(shape, dtype, seed, options.pop("scale_q", 1.0))
+            with flashtile.use_backend("triton", backward_schedule=4):
+                text = flashtile.explain(q, k, v, **options)
+            if "attention_bwd_dkdv_gluon_kernel (Gluon" not in text:
+                print(f"{name} {dtype}: the Gluon dK/dV kernel does not serve it: {text}", flush=True)
+                ok = False
+                continue
+            out = flash_attn_reference(q.detach(), k.detach(), v.detach(), **options)[0]
+            grad_out = torch.randn(out.shape, device=DEVICE, dtype=torch.float64)
+            grad_lse = torch.randn(out.shape[0], out.shape[2], out.shape[1], device=DEVICE, dtype=torch.float64)
+            got = _grads(q, k, v, grad_out, grad_lse, options, schedule=4)
+            again = _grads(q, k, v, grad_out, grad_lse, options, schedule=4)
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            want = _grads(q64, k64, v64, grad_out, grad_lse, options)
+            eager = _grads(q, k, v, grad_out, grad_lse, dict(options, dtype=dtype))
+            failed = []
+            for what, g, a, w, e in zip(("dq", "dk", "dv"), got, again, want, eager):
+                floor = 2 * torch.finfo(dtype).eps * max(1.0, w.abs().max().item() if w.numel() else 1.0)
+                if not _error(g, w) <= 2 * _error(e, w) + floor:
+                    failed.append(f"{what} {_error(g, w):.2e} > 2 x {_error(e, w):.2e}")
+                if not torch.isfinite(g).all():
+                    failed.append(f"{what} not finite")
+                if not torch.equal(g, a):
+                    failed.append(f"{what}: a rerun changed bits")
+            print(f"{name} {dtype}: {'ok' if not failed else 'FAILED ' + '; '.join(failed)}", flush=True)
+            ok &= not failed
+    return ok
+
+
+def _bench(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def timing(cells) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    print(json.dumps({"matmul_8192_tflops": round(2 * 8192 ** 3 / _bench(lambda: a @ a) / 1e9, 1)}), flush=True)
+    warnings.simplefilter("ignore", RuntimeWarning)  # the opt-in schedule's warning
+    for headdim, seqlen, causal in cells:
+        batch, heads = 16384 // seqlen, 2048 // headdim
+        q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=DEVICE, dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        grad_out = torch.randn(batch, seqlen, heads, headdim, device=DEVICE, dtype=torch.bfloat16)
+        flops = 2.5 * 4 * batch * heads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
+        row = {"d": headdim, "n": seqlen, "causal": causal}
+
+        def backward_of(out):
+            return lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+
+        for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION, "fa2")):
+            with sdpa_kernel([backend]):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+            row[name] = flops / _bench(backward_of(out)) / 1e9
+        for schedule, name in ((None, "table"), (4, "gluon")):
+            settings = {} if schedule is None else {"backward_schedule": schedule}
+            with flashtile.use_backend("triton", **settings):
+                out = flashtile.flash_attn_func(q, k, v, causal=causal)
+                row[name] = flops / _bench(backward_of(out)) / 1e9
+                row[f"{name} kernels"] = [kernel for kernel, _ in timed_kernels(backward_of(out), DEVICE)]
+        print(json.dumps({key: (round(value, 1) if isinstance(value, float) else value)
+                          for key, value in row.items()}), flush=True)
+
+
+def reruns(count: int) -> bool:
+    """count forward + backward reruns of two shapes under schedule 4, each compared bitwise with the first."""
+    warnings.simplefilter("ignore", RuntimeWarning)  # the opt-in schedule's warning
+    ok = True
+    for shape, options in (((4, 4096, 4096, 16, 4, 128, 128), {"causal": True}), ((8, 2048, 2048, 32, 32, 64, 64), {})):
+        q, k, v = _inputs(shape, torch.bfloat16, 0)
+        grad_out = torch.randn(shape[0], shape[1], shape[3], shape[6], device=DEVICE, dtype=torch.bfloat16)
+        with flashtile.use_backend("triton", backward_schedule=4):
+            def run():
+                out = flashtile.flash_attn_func(q, k, v, **options)
+                return torch.autograd.grad(out, (q, k, v), grad_out)
+            first = run()
+            changed = nan = 0
+            for _ in range(count):
+                grads = run()
+                changed += any(not torch.equal(a, b) for a, b in zip(grads, first))
+                nan += any(not torch.isfinite(g).all() for g in grads)
+        print(f"reruns {shape} {options}: {count}, {changed} differing, {nan} with a non-finite value", flush=True)
+        ok &= changed == 0 and nan == 0
+    return ok
+
+
+def _cells(text):
+    if not text:
+        return [(d, n, c) for d in (64, 128) for n in (1024, 4096, 16384) for c in (False, True)]
+    cells = []
+    for cell in text.split(","):
+        d, rest = cell[1:].split("n")
+        n, c = rest.split("c")
+        cells.append((int(d), int(n), bool(int(c))))
+    return cells
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "check":
+        sys.exit(0 if check() else 1)
+    if mode == "time":
+        timing(_cells(sys.argv[2] if len(sys.argv) > 2 else ""))
+    if mode == "reruns":
+        sys.exit(0 if reruns(int(sys.argv[2])) else 1)
