@@ -14,9 +14,9 @@ times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's T
     python benchmarks/gluon_forward.py small          # small cases of every setting, for compute-sanitizer
     python benchmarks/gluon_forward.py compile-time   # the first call's wall time (with an empty Triton cache)
 
-SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>[pp][n<keys>], grid 0 one CTA per tile,
-1 persistent in snake order, 2 persistent with the launcher's deal, pp pingpong, n keys per block (default 128);
-e.g. c2s2o1p1,c3s2o0p0,c2s2o0p1n256.
+SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>[pp][n<keys>][e<n>], grid 0 one CTA per
+tile, 1 persistent in snake order, 2 persistent with the launcher's deal, pp pingpong, n keys per block (default
+128), e one exponential in n on the FMA units; e.g. c2s2o1p1,c3s2o0p0,c2s2o0p1n256,c2s3o1p1e8.
 
 Inputs are random from fixed seeds; times are triton.testing.do_bench medians in the FlashAttention benchmark
 convention (16,384 tokens per batch, model width 2048; forward FLOPs 4 B H N^2 d, halved for causal).
@@ -231,7 +231,8 @@ def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v, dty
 def _name(tile) -> str:
     return (f"c{tile.consumers}s{tile.num_stages}o{int(tile.overlap)}"
             f"p{int(tile.persistent) + int(tile.persistent and tile.balanced)}" + ("pp" if tile.pingpong else "")
-            + (f"n{tile.block_n}" if tile.block_n != G().block_n else ""))
+            + (f"n{tile.block_n}" if tile.block_n != G().block_n else "")
+            + (f"e{tile.exp2_emulated}" if tile.exp2_emulated else ""))
 
 
 def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
@@ -416,7 +417,7 @@ def _variants(text):
         fields = {key: int(value) for key, value in re.findall(r"([a-z])(\d+)", name)}
         tiles.append(G(consumers=fields["c"], num_stages=fields["s"], overlap=bool(fields["o"]),
                        persistent=fields["p"] > 0, balanced=fields["p"] == 2, pingpong="pp" in name,
-                       block_n=fields.get("n", G().block_n)))
+                       block_n=fields.get("n", G().block_n), exp2_emulated=fields.get("e", 0)))
     return tiles
 
 

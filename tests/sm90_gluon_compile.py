@@ -82,6 +82,11 @@ def extra_tiles():
             ("bf16 d64 packed window no overlap",
              dataclasses.replace(problem_for(1000, 1000, 64, 64, torch.bfloat16, False, batch=3), varlen=True,
                                  window_left=100, window_right=20), configs.GluonTile(overlap=False, num_stages=3)),
+            # FlashAttention-4's exponentials on the FMA units (opt-in, inline PTX)
+            ("bf16 d64 one exponential in 8 on the FMA units", problem_for(1024, 1024, 64, 64, torch.bfloat16, False),
+             configs.GluonTile(num_stages=3, exp2_emulated=8)),
+            ("fp16 d128 causal one exponential in 2 on the FMA units",
+             problem_for(4096, 4096, 128, 128, torch.float16, True), configs.GluonTile(balanced=True, exp2_emulated=2)),
             ("bf16 d64 packed causal, blocks of 256 keys",
              dataclasses.replace(problem_for(1000, 1000, 64, 64, torch.bfloat16, True, batch=3), varlen=True),
              configs.GluonTile(block_n=256, overlap=False))]
@@ -145,7 +150,7 @@ def recorded_gluon_backward_launch(problem):
 
 
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
-         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "CONSUMER_REGISTERS", "maxnreg")
+         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "EXP2_EMULATED", "CONSUMER_REGISTERS", "maxnreg")
 
 
 def ptxas_report(ptx: str) -> dict:

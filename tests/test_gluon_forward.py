@@ -220,3 +220,46 @@ def test_the_launcher_deals_every_tile_once_and_evenly(query_blocks, batch_heads
     loads = [sum(costs[m_block(t)] for t in tiles[starts[p]:starts[p + 1]].tolist()) for p in range(programs)]
     # list scheduling: no CTA ends more than the longest tile after the least loaded one
     assert max(loads) - min(loads) <= max(costs), loads
+
+
+def test_exponentials_on_the_fma_units_are_an_opt_in_setting(monkeypatch):
+    """FlashAttention-4's offload of one exponential in n to the FMA units: a tile setting the table never picks
+    (it measured slower on the H200, docs/schedules.md), named by explain()."""
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, 64, 64, torch.bfloat16, False), device=torch.device("cuda"))
+    assert configs.default_tiles(problem, HOPPER).gluon_tile.exp2_emulated == 0
+    tile = configs.GluonTile(exp2_emulated=8)
+    assert configs.gluon_unserved_reason(problem, tile) == ""
+    assert tile.describe().endswith(", one exponential in 8 on the FMA units")
+    assert configs.gluon_unserved_reason(problem, configs.GluonTile(exp2_emulated=3)) == \
+        "one exponential in n on the FMA units (gluon_exp2_emulated) takes n = 2, 4 or 8, got 3"
+    with pytest.raises(ValueError, match="tile setting gluon_exp2_emulated must be 0, 2, 4 or 8, got 16"):
+        with flashtile.use_backend("triton", gluon_exp2_emulated=16):
+            pass
+
+
+def test_the_fma_unit_exponential_is_2_to_the_x_within_1e_4_and_0_at_minus_infinity():
+    """_exp2_on_fma_units' arithmetic, step by step in float32 as the PTX does it (no GPU needed): the clamp, the
+    rounding by 1.5 * 2^23, the cubic, the exponent bits."""
+    import re
+
+    import numpy as np
+
+    from flashtile.triton import fwd_gluon
+
+    ptx = fwd_gluon._exp2_on_fma_units("%x", "%y")
+    hexes = [int(h, 16) for h in re.findall(r"0f([0-9A-F]{8})", ptx)]
+    clamp, magic, _, c3, c2, c1, one = (np.array([h], dtype=np.uint32).view(np.float32)[0] for h in hexes)
+
+    def emulated(x):
+        t = np.maximum(x, clamp)
+        r = (t + magic).astype(np.float32)
+        f = (t - (r - magic).astype(np.float32)).astype(np.float32)
+        p = ((c3 * f + c2).astype(np.float32) * f + c1).astype(np.float32)
+        p = (p * f + one).astype(np.float32)
+        return (p.view(np.uint32) + (r.view(np.uint32) << np.uint32(23))).astype(np.uint32).view(np.float32)
+
+    x = -np.random.default_rng(0).uniform(0, 126, 200_000).astype(np.float32)
+    assert np.abs(emulated(x) / np.exp2(x.astype(np.float64)) - 1).max() < 1.1e-4
+    assert emulated(np.array([0.0], dtype=np.float32))[0] == 1.0
+    assert (emulated(np.array([-127.0, -300.0, -np.inf], dtype=np.float32)) == 0.0).all()

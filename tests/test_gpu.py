@@ -61,7 +61,8 @@ GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0), "pingpong": 
                   "three-consumers": dict(gluon_consumers=3), "three-consumers-one-cta-per-tile": dict(
                       gluon_consumers=3, gluon_overlap=0, gluon_persistent=0),
                   "dealt-tiles": dict(gluon_persistent=1, gluon_balanced=1),
-                  "256-key-blocks": dict(gluon_block_n=256, gluon_overlap=0)}
+                  "256-key-blocks": dict(gluon_block_n=256, gluon_overlap=0),
+                  "fma-exponentials": dict(gluon_exp2_emulated=4)}
 GLUON_CASES = {
     "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
     "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),

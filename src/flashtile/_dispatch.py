@@ -165,6 +165,10 @@ class TritonBackend:
             if value not in (2, 3):
                 raise ValueError(f"tile setting gluon_consumers must be 2 or 3, got {value}")
             return
+        if key == "gluon_exp2_emulated":
+            if value not in (0, 2, 4, 8):
+                raise ValueError(f"tile setting gluon_exp2_emulated must be 0, 2, 4 or 8, got {value}")
+            return
         if key == "gluon_block_n":
             if value not in (64, 128, 256):
                 raise ValueError(f"tile setting gluon_block_n must be 64, 128 or 256, got {value}")

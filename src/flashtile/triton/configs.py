@@ -30,6 +30,7 @@ class GluonTile:
     persistent: bool = True  # one CTA per SM looping over tiles; False: one CTA per tile
     balanced: bool = False  # persistent: tiles dealt by the launcher to the least loaded CTA, not in snake order
     consumers: int = 2  # consumer warpgroups; three (192 query rows) is FlashAttention-3's tile at d = 64
+    exp2_emulated: int = 0  # n: one exponential in n on the FMA units (FlashAttention-4's move; 0 none, 2, 4 or 8)
 
     @property
     def block_m(self) -> int:
@@ -57,14 +58,16 @@ class GluonTile:
                 f"{self.num_stages} K/V stages, {'with' if self.overlap else 'without'} intra-warpgroup overlap, "
                 f"{'with' if self.pingpong else 'without'} pingpong, "
                 f"{self._grid()}, "
-                f"{self.consumer_registers} registers per consumer thread")
+                f"{self.consumer_registers} registers per consumer thread"
+                + (f", one exponential in {self.exp2_emulated} on the FMA units" if self.exp2_emulated else ""))
 
 
 @functools.lru_cache(maxsize=256)
 def _gluon_tile_of(block_n: int, stages: int, overlap: int, pingpong: int, persistent: int, consumers: int,
-                   balanced: int) -> GluonTile:
+                   balanced: int, exp2_emulated: int) -> GluonTile:
     return GluonTile(block_n=block_n, num_stages=stages, overlap=bool(overlap), pingpong=bool(pingpong),
-                     persistent=bool(persistent), consumers=consumers, balanced=bool(balanced))
+                     persistent=bool(persistent), consumers=consumers, balanced=bool(balanced),
+                     exp2_emulated=exp2_emulated)
 
 
 GLUON_WIDTHS = (64, 128, 256)  # padded q/k and v head widths the Gluon forward serves (256: d == dv only)
@@ -174,6 +177,9 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
         return f"{tile.consumers} consumer warpgroups{pingpong}: it takes two or three, pingpong two"
     if tile.consumers == 3 and max(widths) > 64:
         return "three consumer warpgroups (160 registers each) take head widths up to 64"
+    if tile.exp2_emulated not in (0, 2, 4, 8):
+        return (f"one exponential in n on the FMA units (gluon_exp2_emulated) takes n = 2, 4 or 8, got "
+                f"{tile.exp2_emulated}")
     if tile.block_n not in (64, 128, 256):
         return f"keys per block (gluon_block_n) are 64, 128 or 256, got {tile.block_n}"
     if gluon_block_n(p, tile) == 256 and tile.consumers == 3:
@@ -237,6 +243,7 @@ class TritonTiles:
     gluon_persistent: int = 1
     gluon_consumers: int = 2  # consumer warpgroups of 64 query rows: 2 or 3
     gluon_balanced: int = 0  # persistent grid: the launcher deals the tiles (longest first, least loaded CTA)
+    gluon_exp2_emulated: int = 0  # GluonTile.exp2_emulated; never chosen by the table (it measured slower)
 
     @property
     def dq_tile(self) -> tuple[int, int, int]:
@@ -248,7 +255,8 @@ class TritonTiles:
     def gluon_tile(self) -> GluonTile:
         """The Gluon forward's launch configuration (one object per distinct setting: a call reads it twice)."""
         return _gluon_tile_of(self.gluon_block_n, self.gluon_stages, self.gluon_overlap, self.gluon_pingpong,
-                              self.gluon_persistent, self.gluon_consumers, self.gluon_balanced)
+                              self.gluon_persistent, self.gluon_consumers, self.gluon_balanced,
+                              self.gluon_exp2_emulated)
 
     @property
     def backward_one_launch(self) -> bool:

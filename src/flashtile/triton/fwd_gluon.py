@@ -15,6 +15,8 @@ row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
 - OVERLAP (intra-warpgroup overlap): a consumer issues Q Kᵀ of block j + 1 before the P V of block j and waits for
   the score matmul alone (`warpgroup_mma_wait(1)`), so its softmax of block j + 1 runs under its P V of block j;
   the accumulator's rescale waits for that P V.
+- EXP2_EMULATED = n (FlashAttention-4's offload of the exponentials, opt-in): one probability in n is computed on
+  the FMA units by a cubic in the fraction of its exponent (_exp2_on_fma_units) instead of by the MUFU unit.
 - PINGPONG (two consumers): they take turns through a pair of mbarriers: one issues its matmuls only on its turn
   and passes the turn on once they are issued, so one warpgroup's exponentials run under the other's matmuls.
 
@@ -48,9 +50,60 @@ from .gluon_compat import (AVAILABLE, fence_async_shared, gl, gluon, mbarrier, t
 # rows per consumer warpgroup (one wgmma's M is 64 for a warpgroup of 4 warps)
 WARPGROUP_ROWS = 64
 
+
+def _exp2_on_fma_units(x: str, out: str) -> str:
+    """PTX computing out = 2^x (x <= 0, f32 registers) without the MUFU unit: x clamped at -127, split as
+    n + f with n = round(x) (adding 1.5 * 2^23 leaves n in the low bits) and f in [-0.5, 0.5]; 2^f by a cubic
+    (1 + f (c1 + f (c2 + f c3)), relative error 1.0e-4, a minimax fit with 1 exact at f = 0), and n added to its
+    exponent bits. At x = -127 (and -inf) the result is exactly 0: f = 0 gives 1.0, whose exponent 127 - 127 is 0."""
+    return f"""{{
+    .reg .f32 t, r, j, f, p;
+    .reg .b32 rb, pb;
+    max.ftz.f32 t, {x}, 0fC2FE0000;
+    add.rn.ftz.f32 r, t, 0f4B400000;
+    sub.rn.ftz.f32 j, r, 0f4B400000;
+    sub.rn.ftz.f32 f, t, j;
+    fma.rn.ftz.f32 p, f, 0f3D6150CB, 0f3E780610;
+    fma.rn.ftz.f32 p, p, f, 0f3F317AFD;
+    fma.rn.ftz.f32 p, p, f, 0f3F800000;
+    mov.b32 rb, r;
+    shl.b32 rb, rb, 23;
+    mov.b32 pb, p;
+    add.s32 pb, pb, rb;
+    mov.b32 {out}, pb;
+    }}"""
+
+
+def _exp2_mixed(pack: int) -> str:
+    """PTX for gl.inline_asm_elementwise over `pack` elements: the last on the FMA units, the others by MUFU."""
+    lines = [f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(pack - 1)]
+    return "\n".join(lines + [_exp2_on_fma_units(f"${2 * pack - 1}", f"${pack - 1}")])
+
+
 attention_fwd_gluon_kernel = None  # without Gluon (configs.gluon_unserved_reason then says so)
 
 if AVAILABLE:
+    _EXP2_ONE_IN_2 = gl.constexpr(_exp2_mixed(2))
+    _EXP2_ONE_IN_4 = gl.constexpr(_exp2_mixed(4))
+    _EXP2_ONE_IN_8 = gl.constexpr(_exp2_mixed(8))
+    _F32_2 = gl.constexpr(",".join(["=f"] * 2 + ["f"] * 2))  # the constraints: pack outputs, then pack inputs
+    _F32_4 = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4))
+    _F32_8 = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
+
+    @gluon.jit
+    def _exp2(x, EMULATED: gl.constexpr):
+        """2^x elementwise for x <= 0 (or -inf): by the MUFU unit, or with EMULATED = n one element in n on the FMA
+        units (_exp2_on_fma_units), which the MUFU unit's 16 results per clock and SM would otherwise bound."""
+        if EMULATED == 2:
+            y = gl.inline_asm_elementwise(_EXP2_ONE_IN_2, _F32_2, [x], dtype=gl.float32, is_pure=True, pack=2)
+        elif EMULATED == 4:
+            y = gl.inline_asm_elementwise(_EXP2_ONE_IN_4, _F32_4, [x], dtype=gl.float32, is_pure=True, pack=4)
+        elif EMULATED == 8:
+            y = gl.inline_asm_elementwise(_EXP2_ONE_IN_8, _F32_8, [x], dtype=gl.float32, is_pure=True, pack=8)
+        else:
+            gl.static_assert(EMULATED == 0, "one exponential in 2, 4 or 8 on the FMA units, or none")
+            y = gl.exp2(x)
+        return y
 
     @gluon.jit
     def _tiles_of_this_cta(programs, waves, extra, TileStarts, TILE_LIST: gl.constexpr):
@@ -186,7 +239,7 @@ if AVAILABLE:
         return s
 
     @gluon.jit
-    def _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2: gl.constexpr):
+    def _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """One online-softmax step on scores s: (p, alpha, m_new, l_new); alpha rescales what was accumulated."""
         row_max = gl.max(s, axis=1)
         if SCALE_IN_EXP2:
@@ -196,9 +249,9 @@ if AVAILABLE:
         # scores so far: it keeps max -inf and is shifted by 0, so that exp2 gives 0, not NaN
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         if SCALE_IN_EXP2:
-            p = gl.exp2(s * score_scale - m_shift[:, None])
+            p = _exp2(s * score_scale - m_shift[:, None], EXP2_EMULATED)
         else:
-            p = gl.exp2(s - m_shift[:, None])
+            p = _exp2(s - m_shift[:, None], EXP2_EMULATED)
         alpha = gl.exp2(m_i - m_shift)
         l_new = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_new
@@ -214,7 +267,8 @@ if AVAILABLE:
     @gluon.jit
     def _block_probabilities(s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope, masked,
                              col_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr):
+                             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                             EXP2_EMULATED: gl.constexpr):
         """The online-softmax step of the key block at n0 from its raw products s: (p, alpha, m_new, l_new) as
         _softmax_update, the element mask applied where `masked` (the block straddles a band edge or the keys' end)."""
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
@@ -222,7 +276,7 @@ if AVAILABLE:
         s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, masked, HAS_LEFT,
                     HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2)
-        return _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2)
+        return _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2, EXP2_EMULATED)
 
     @gluon.jit
     def _take_turn(my_turn, turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -336,7 +390,8 @@ if AVAILABLE:
     def _block_alone(q_tile, k_smem, k_ready, k_empty, it, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args,
                      slope, masked, my_turn, other_turn, turns, s_layout: gl.constexpr, col_layout: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                     HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+                     HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                     WG: gl.constexpr, PINGPONG: gl.constexpr):
         """The scores and online-softmax step of the CTA's `it`-th key block (at n0) with nothing to overlap them
         with (a tile's first block under overlap, every block without): (p, alpha, m, l, turns) as
         _block_probabilities, its K stage released."""
@@ -352,7 +407,7 @@ if AVAILABLE:
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _block_probabilities(s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
                                                   masked, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                                  SCALE_IN_EXP2)
+                                                  SCALE_IN_EXP2, EXP2_EMULATED)
         return p, alpha, m_i, l_i, turns
 
     @gluon.jit
@@ -360,7 +415,7 @@ if AVAILABLE:
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
-                  VARLEN: gl.constexpr, WG: gl.constexpr):
+                  VARLEN: gl.constexpr, EXP2_EMULATED: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup WG (0 .. BLOCK_M / 64 - 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
@@ -415,7 +470,8 @@ if AVAILABLE:
                         p, alpha, m_i, l_i, turns = _block_alone(
                             q_tile, k_smem, k_ready, k_empty, it, lo, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b,
                             tile_args, slope, (lo < full_lo) | (lo >= full_hi), my_turn, other_turn, turns, s_layout,
-                            col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, WG, PINGPONG)
+                            col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2,
+                            EXP2_EMULATED, WG, PINGPONG)
                         p_op = gl.convert_layout(p.to(dtype), p_layout)
                         it += 1
                         for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
@@ -438,7 +494,7 @@ if AVAILABLE:
                             p, alpha, m_i, l_i = _block_probabilities(
                                 s, n0, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b, tile_args, slope,
                                 (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                HAS_ALIBI, SCALE_IN_EXP2)
+                                HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED)
                             acc = warpgroup_mma_wait(0, deps=[acc])
                             mbarrier.arrive(v_empty.index(prev_stage), count=1)
                             acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
@@ -463,8 +519,8 @@ if AVAILABLE:
                             p, alpha, m_i, l_i, turns = _block_alone(
                                 q_tile, k_smem, k_ready, k_empty, it, n0, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b,
                                 tile_args, slope, (n0 < full_lo) | (n0 >= full_hi), my_turn, other_turn, turns,
-                                s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, WG,
-                                PINGPONG)
+                                s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2,
+                                EXP2_EMULATED, WG, PINGPONG)
                             acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
                             p_op = gl.convert_layout(p.to(dtype), p_layout)
                             mbarrier.wait(v_ready.index(stage), phase)
@@ -501,7 +557,7 @@ if AVAILABLE:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
         SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr,
-        SHARE_QO: gl.constexpr, VARLEN: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+        SHARE_QO: gl.constexpr, VARLEN: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
     ):
         CONSUMERS: gl.constexpr = BLOCK_M // 64
         gl.static_assert(CONSUMERS * 64 == BLOCK_M and (CONSUMERS == 2 or CONSUMERS == 3),
@@ -559,10 +615,10 @@ if AVAILABLE:
                              TILE_LIST, SHARE_QO, VARLEN)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 0)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 1)),
             ], [4, 4], [CONSUMER_REGISTERS] * 2)
         else:
             gl.warp_specialize([
@@ -571,11 +627,11 @@ if AVAILABLE:
                              TILE_LIST, SHARE_QO, VARLEN)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 0)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 1)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, 2)),
+                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 2)),
             ], [4, 4, 4], [CONSUMER_REGISTERS] * 3)

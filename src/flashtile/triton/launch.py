@@ -403,7 +403,8 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
         BLOCK_M=tile.block_m, BLOCK_N=block_n, NUM_STAGES=tile.num_stages, HAS_LEFT=flags["HAS_LEFT"],
         HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong, TILE_LIST=tile_list,
-        SHARE_QO=share_qo, VARLEN=varlen, CONSUMER_REGISTERS=tile.consumer_registers, num_warps=4,
+        SHARE_QO=share_qo, VARLEN=varlen, CONSUMER_REGISTERS=tile.consumer_registers,
+        EXP2_EMULATED=tile.exp2_emulated, num_warps=4,
         maxnreg=tile.max_registers)
     return out, lse
 
