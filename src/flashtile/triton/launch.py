@@ -460,7 +460,12 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     if tiles.backward_one_launch and k.shape[1] > 0:
         # a dK/dV program may run before the dQ program of its query rows: delta from a launch of its own. Rows
         # are independent there: a packed batch is one long sequence to the preprocess kernel
-        _launch_delta(out, grad_out, grad_lse, delta, p, flags["BLOCK_DV"], has_dlse)
+        rows, batch = out.shape[1], out.shape[0]
+        row_programs = _cdiv(rows, 64)
+        launch(
+            attention_bwd_preprocess_kernel, _grid(row_programs * batch * p.nheads), (out, grad_out, grad_lse, delta),
+            (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows, row_programs),
+            HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
         launch(
             attention_bwd_kernel, _grid((key_programs * p.nheads_k + query_programs * p.nheads) * p.batch),
             (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k),
@@ -488,17 +493,6 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
              key_programs, *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
     return dq, dk, dv
-
-
-def _launch_delta(out, grad_out, grad_lse, delta, problem: AttentionProblem, block_dv: int, has_dlse: bool):
-    """delta = rowsum(dO * O) - dlse of every query row (attention_bwd_preprocess_kernel). Rows are independent: a
-    packed batch is one long sequence here."""
-    rows, batch = out.shape[1], out.shape[0]
-    row_programs = _cdiv(rows, 64)
-    launch(
-        attention_bwd_preprocess_kernel, _grid(row_programs * batch * problem.nheads), (out, grad_out, grad_lse, delta),
-        (*_row_strides(out, 1), *_row_strides(grad_out, 1), problem.nheads, rows, row_programs),
-        HEADDIM_V=problem.headdim_v, BLOCK_M=64, BLOCK_DV=block_dv, HAS_DLSE=has_dlse)
 
 
 def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem) -> str:
