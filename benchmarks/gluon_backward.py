@@ -21,12 +21,11 @@ import sys
 import warnings
 
 import torch
-import triton
-import triton.testing
 
 import flashtile
 from flashtile._measure import timed_kernels
 from flashtile.reference import flash_attn_reference
+from gluon_forward import _bench, _cells, _error  # the forward benchmark's timing, grid cells, error (this directory)
 
 DEVICE = torch.device("cuda")
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v), options
@@ -70,10 +69,6 @@ def _grads(q, k, v, grad_out, grad_lse, options, schedule=None):
         return torch.autograd.grad(loss, (q, k, v))
 
 
-def _error(a, b) -> float:
-    return (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item() if a.numel() else 0.0
-
-
 def check() -> bool:
     ok = True
     for dtype in (torch.bfloat16, torch.float16):
@@ -106,12 +101,6 @@ def check() -> bool:
             print(f"{name} {dtype}: {'ok' if not failed else 'FAILED ' + '; '.join(failed)}", flush=True)
             ok &= not failed
     return ok
-
-
-def _bench(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
 def timing(cells) -> None:
@@ -166,17 +155,6 @@ def reruns(count: int) -> bool:
         print(f"reruns {shape} {options}: {count}, {changed} differing, {nan} with a non-finite value", flush=True)
         ok &= changed == 0 and nan == 0
     return ok
-
-
-def _cells(text):
-    if not text:
-        return [(d, n, c) for d in (64, 128) for n in (1024, 4096, 16384) for c in (False, True)]
-    cells = []
-    for cell in text.split(","):
-        d, rest = cell[1:].split("n")
-        n, c = rest.split("c")
-        cells.append((int(d), int(n), bool(int(c))))
-    return cells
 
 
 if __name__ == "__main__":
