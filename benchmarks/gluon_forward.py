@@ -14,9 +14,10 @@ times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's T
     python benchmarks/gluon_forward.py small          # small cases of every setting, for compute-sanitizer
     python benchmarks/gluon_forward.py compile-time   # the first call's wall time (with an empty Triton cache)
 
-SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>[pp][n<keys>][e<n>], grid 0 one CTA per
-tile, 1 persistent in snake order, 2 persistent with the launcher's deal, pp pingpong, n keys per block (default
-128), e one exponential in n on the FMA units; e.g. c2s2o1p1,c3s2o0p0,c2s2o0p1n256,c2s3o1p1e8.
+SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>[pp][n<keys>][e<n>][x1], grid 0 one CTA
+per tile, 1 persistent in snake order, 2 persistent with the launcher's deal, pp pingpong, n keys per block (default
+128), e one exponential in n on the FMA units, x1 the next tile's first block under each tile's last P V; e.g.
+c2s2o1p1,c3s2o0p0,c2s2o0p1n256,c2s3o1p1e8,c2s2o1p2x1.
 
 Inputs are random from fixed seeds; times are triton.testing.do_bench medians in the FlashAttention benchmark
 convention (16,384 tokens per batch, model width 2048; forward FLOPs 4 B H N^2 d, halved for causal).
@@ -155,11 +156,13 @@ PACKED_CASES = [
 ]
 
 
-def _takes(tile, headdims, packed=False) -> bool:
+def _takes(tile, headdims, packed=False, banded=False, alibi=False) -> bool:
     """Whether the setting serves heads this wide (configs.gluon_unserved_reason): three consumers and blocks of 256
-    keys take head dims up to 64, and three consumers no packed batch."""
+    keys take head dims up to 64, and three consumers no packed batch; the next tile's first block under each tile's
+    last P V takes head dims up to 128, dense batches without a band (causal or a window) or ALiBi."""
     narrow = tile.consumers == 3 or tile.block_n == 256
-    return not (narrow and max(headdims) > 64) and not (packed and tile.consumers == 3)
+    return not (narrow and max(headdims) > 64) and not (packed and tile.consumers == 3) and \
+        not (tile.across_tiles and (packed or banded or alibi or max(headdims) > 128))
 
 
 def check_packed(tiles, dtypes=(torch.bfloat16, torch.float16)) -> bool:
@@ -232,7 +235,7 @@ def _name(tile) -> str:
     return (f"c{tile.consumers}s{tile.num_stages}o{int(tile.overlap)}"
             f"p{int(tile.persistent) + int(tile.persistent and tile.balanced)}" + ("pp" if tile.pingpong else "")
             + (f"n{tile.block_n}" if tile.block_n != G().block_n else "")
-            + (f"e{tile.exp2_emulated}" if tile.exp2_emulated else ""))
+            + (f"e{tile.exp2_emulated}" if tile.exp2_emulated else "") + ("x1" if tile.across_tiles else ""))
 
 
 def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
@@ -258,21 +261,30 @@ def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
         ("softcap 30", (2, 500, 500, 4, 4, 128, 128), dict(softcap=30.0, causal=True)),
         ("causal sq > sk (masked rows)", (2, 700, 300, 4, 4, 128, 128), dict(causal=True)),
         ("scale 0.5", (2, 300, 300, 4, 4, 64, 64), dict(scale=0.5)),
+        # more tiles than SMs: a CTA takes several (with gluon_across_tiles, starting each under the last)
+        ("many tiles: GQA 8:1 d 64", (8, 1000, 1000, 16, 2, 64, 64), dict()),
+        ("many tiles: softcap, sq > sk, d 128", (4, 1500, 400, 16, 4, 128, 128), dict(softcap=30.0)),
+        ("many tiles: dv 64 d 96", (4, 1000, 1000, 16, 16, 96, 64), dict()),
+        ("many tiles: GQA 8:1 d 64 causal", (8, 1000, 1000, 16, 2, 64, 64), dict(causal=True)),
+        ("many tiles: causal sq > sk (tiles that see no key)", (4, 1500, 400, 16, 4, 128, 128), dict(causal=True)),
+        ("many tiles: window (200, 0)", (4, 1000, 1000, 16, 16, 96, 96), dict(window=(200, 0))),
     ]
     for tile in tiles:
         for dtype in dtypes:
             for i, (name, shape, options) in enumerate(cases):
                 q, k, v = _inputs(*shape, dtype, seed=i)
-                if not _takes(tile, shape[5:]):
+                if not _takes(tile, shape[5:], banded=options.get("causal", False) or "window" in options):
                     continue
                 ok &= check_case(f"{_name(tile)} {dtype} {name}", q, k, v, tile=tile, **options)
-        if _takes(tile, (128,)):
-            # ALiBi (per head and per batch entry), large scores
+        if _takes(tile, (128,), alibi=True):
+            # ALiBi (per head and per batch entry)
             q, k, v = _inputs(2, 600, 700, 4, 4, 128, 128, torch.bfloat16, seed=100)
             ok &= check_case(f"{_name(tile)} alibi (nheads,)", q, k, v, torch.rand(4, device=DEVICE), tile=tile,
                              causal=True)
             ok &= check_case(f"{_name(tile)} alibi (batch, nheads)", q, k, v, torch.rand(2, 4, device=DEVICE),
                              tile=tile)
+        if _takes(tile, (128,)):
+            # large scores
             q, k, v = _inputs(2, 500, 1000, 4, 4, 128, 128, torch.bfloat16, seed=101, scale=30.0)
             ok &= check_case(f"{_name(tile)} |scores| ~ 1e3", q, k, v, tile=tile)
         # a late maximum
@@ -389,19 +401,22 @@ def small() -> bool:
     ALiBi), each checked against the oracle: short enough for compute-sanitizer's memcheck and racecheck."""
     tiles = [G(), G(overlap=False), G(pingpong=True), G(persistent=False),
              G(consumers=3, overlap=False, persistent=False), G(consumers=3), G(balanced=True),
-             G(block_n=256, overlap=False)]
+             G(block_n=256, overlap=False), G(across_tiles=True)]
     ok = True
     for t, tile in enumerate(tiles):
+        # the last: 192 tiles of 70 keys each, more than the SMs, so that a CTA takes several
         for i, (shape, options) in enumerate([((1, 200, 150, 4, 2, 64, 64), dict(causal=True)),
                                                ((1, 130, 257, 2, 2, 128, 128), dict()),
-                                               ((1, 100, 300, 2, 1, 128, 64), dict(window=(40, 20)))]):
-            if not _takes(tile, shape[5:]):
+                                               ((1, 100, 300, 2, 1, 128, 64), dict(window=(40, 20))),
+                                               ((1, 300, 70, 64, 8, 64, 64), dict())]):
+            if not _takes(tile, shape[5:], banded=bool(options)):
                 continue
             q, k, v = _inputs(*shape, torch.bfloat16, seed=10 * t + i)
             ok &= check_case(f"small {tile} {shape} {options}", q, k, v, tile=tile, **options)
-        q, k, v = _inputs(1, 90, 90, 2, 2, 64, 64, torch.float16, seed=100 + t)
-        ok &= check_case(f"small {tile} alibi", q, k, v, torch.rand(2, device=DEVICE), tile=tile, causal=True)
-        if not tile.balanced and tile.consumers == 2:  # the packed batches' settings
+        if _takes(tile, (64,), alibi=True):
+            q, k, v = _inputs(1, 90, 90, 2, 2, 64, 64, torch.float16, seed=100 + t)
+            ok &= check_case(f"small {tile} alibi", q, k, v, torch.rand(2, device=DEVICE), tile=tile, causal=True)
+        if not tile.balanced and tile.consumers == 2 and not tile.across_tiles:  # the packed batches' settings
             ok &= check_packed_case(f"small {_name(tile)} packed", [70, 1, 150], [70, 5, 150], (2, 1, 64, 64), tile,
                                     torch.bfloat16, 200 + t, causal=True)
     return ok
@@ -417,7 +432,8 @@ def _variants(text):
         fields = {key: int(value) for key, value in re.findall(r"([a-z])(\d+)", name)}
         tiles.append(G(consumers=fields["c"], num_stages=fields["s"], overlap=bool(fields["o"]),
                        persistent=fields["p"] > 0, balanced=fields["p"] == 2, pingpong="pp" in name,
-                       block_n=fields.get("n", G().block_n), exp2_emulated=fields.get("e", 0)))
+                       block_n=fields.get("n", G().block_n), exp2_emulated=fields.get("e", 0),
+                       across_tiles=bool(fields.get("x", 0))))
     return tiles
 
 

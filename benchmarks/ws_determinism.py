@@ -46,14 +46,16 @@ WS_TILES = dict(forward_schedule=2, block_m=128, block_n=128, num_warps=4, num_s
 # nheads_k)): the warp-specialized forward at its fastest tiles; as a control for its race, the table's TMA schedules
 # at d = 128 and 4k keys (forward schedule 1, backward schedule 3, host-side descriptors); the Gluon forward
 # (schedule 3) at the table's settings, without and with a causal band, at d = 128 (two consumers) and d = 64 (three
-# consumers from 4k keys without a band and at 16k with one; two with the launcher's deal at 4k with one)
+# consumers from 4k keys without a band and at 16k with one; two with the launcher's deal at 4k with one; below 4k
+# without a band, "gluon" and "gluon-d64-short", two consumers starting each tile under the last one's P V)
 SHORT = ((2, 2048, 16, 4), (4, 1024, 16, 16))
 STRESS_TARGETS = {"ws": (WS_TILES, False, False, 128, SHORT),
                   "table-tma": ({"forward_schedule": 1}, True, False, 128, ((1, 4096, 16, 4), (2, 4096, 8, 8))),
                   "gluon": ({"forward_schedule": 3}, False, False, 128, SHORT),
                   "gluon-causal": ({"forward_schedule": 3}, False, True, 128, SHORT),
                   "gluon-d64": ({}, False, False, 64, ((1, 4096, 16, 4), (1, 16384, 8, 8))),
-                  "gluon-d64-causal": ({}, False, True, 64, ((1, 4096, 16, 4), (1, 16384, 8, 8)))}
+                  "gluon-d64-causal": ({}, False, True, 64, ((1, 4096, 16, 4), (1, 16384, 8, 8))),
+                  "gluon-d64-short": ({}, False, False, 64, SHORT)}
 
 
 def stress(seconds: float, target: str = "ws") -> None:
@@ -101,7 +103,8 @@ def main() -> None:
     parser.add_argument("--stress", type=float, default=0.0, help="seconds of reruns (see --target)")
     parser.add_argument("--target", default="ws", choices=sorted(STRESS_TARGETS),
                         help="ws: the warp-specialized forward; table-tma: the table's TMA forward + backward; gluon, "
-                             "gluon-causal, gluon-d64, gluon-d64-causal: the Gluon forward at the table's settings")
+                             "gluon-causal, gluon-d64, gluon-d64-causal, gluon-d64-short: the Gluon forward at the "
+                             "table's settings")
     args = parser.parse_args()
     if args.stress > 0:
         stress(args.stress, args.target)

@@ -44,6 +44,10 @@ def table_problems():
         ("bf16 d64 dv128", problem_for(4096, 4096, 64, 128, torch.bfloat16, False)),
         ("bf16 d128 alibi causal", problem_for(4096, 4096, 128, 128, torch.bfloat16, True, alibi=True)),
         ("bf16 d96 GQA", problem_for(4096, 4096, 96, 96, torch.bfloat16, False, nheads=8, nheads_k=2)),
+        # below 4k keys without a band the table starts each tile under the last one's P V (gluon_across_tiles)
+        ("bf16 d128 dv64 n1024", problem_for(1024, 1024, 128, 64, torch.bfloat16, False)),
+        ("fp16 d128 softcap n1024", dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.float16, False),
+                                                        softcap=30.0)),
     ]
     # packed batches (the table takes the Gluon forward for them at d = 128)
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
@@ -75,6 +79,9 @@ def extra_tiles():
              configs.GluonTile(overlap=False)),
             ("bf16 d128 causal dealt tiles", problem_for(4096, 4096, 128, 128, torch.bfloat16, True),
              configs.GluonTile(balanced=True)),
+            ("bf16 d128 pingpong, dealt tiles, each tile started under the last",
+             problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
+             configs.GluonTile(pingpong=True, balanced=True, across_tiles=True)),
             ("bf16 d128 softcap", dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
                                                     softcap=30.0), configs.GluonTile()),
             ("bf16 d64 window (64, 32)", dataclasses.replace(problem_for(4096, 4096, 64, 64, torch.bfloat16, False),
@@ -150,7 +157,8 @@ def recorded_gluon_backward_launch(problem):
 
 
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
-         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "EXP2_EMULATED", "CONSUMER_REGISTERS", "maxnreg")
+         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "EXP2_EMULATED", "ACROSS_TILES", "CONSUMER_REGISTERS",
+         "maxnreg")
 
 
 def ptxas_report(ptx: str) -> dict:

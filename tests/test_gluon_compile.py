@@ -83,6 +83,16 @@ def test_the_table_keeps_the_triton_forward_where_it_was_faster(compiled):
     assert kept == ["bf16 d64 n1024 causal True", "fp16 d64 n1024 causal True"]
 
 
+def test_short_calls_without_a_band_start_each_tile_under_the_last(compiled):
+    """Below 4k keys without a band the table takes gluon_across_tiles (configs._gluon_forward): those variants, and
+    only those with a forced one, carry it."""
+    across = sorted(row["label"] for row in _variants(compiled) if row["constexprs"].get("ACROSS_TILES"))
+    assert across == ["bf16 d128 dv64 n1024", "bf16 d128 n1024 causal False",
+                      "bf16 d128 pingpong, dealt tiles, each tile started under the last",
+                      "bf16 d64 n1024 causal False", "fp16 d128 n1024 causal False",
+                      "fp16 d128 softcap n1024", "fp16 d64 n1024 causal False"], across
+
+
 def test_packed_batches_compile_at_the_tables_setting_and_the_forced_ones(compiled):
     """The table takes the Gluon forward for packed batches at d = 128 (both dtypes, with and without a causal band,
     dv != d); a forced setting without overlap compiles too."""

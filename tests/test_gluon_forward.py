@@ -29,12 +29,13 @@ def test_the_sm90_table_takes_the_gluon_forward_where_it_measured_faster(headdim
     assert tiles.block_m >= 64 and tiles.block_n >= 64 and tiles.num_warps >= 4
 
 
-# (keys per block, consumers, stages, overlap, persistent, balanced) per cell where the table takes the Gluon forward
-GLUON_TABLE = {(64, 1024, False): (256, 2, 2, 0, 1, 0), (64, 4096, False): (128, 3, 2, 1, 1, 0),
-               (64, 16384, False): (128, 3, 2, 1, 0, 0), (64, 4096, True): (128, 2, 2, 1, 1, 1),
-               (64, 16384, True): (128, 3, 2, 0, 0, 0),
-               **{(128, n, False): (128, 2, 2, 1, 1, 0) for n in (1024, 4096, 16384)},
-               **{(128, n, True): (128, 2, 2, 1, 1, 1) for n in (1024, 4096, 16384)}}
+# (keys per block, consumers, stages, overlap, persistent, balanced, across tiles) per cell where the table takes the
+# Gluon forward
+GLUON_TABLE = {(64, 1024, False): (128, 2, 2, 1, 1, 0, 1), (64, 4096, False): (128, 3, 2, 1, 1, 0, 0),
+               (64, 16384, False): (128, 3, 2, 1, 0, 0, 0), (64, 4096, True): (128, 2, 2, 1, 1, 1, 0),
+               (64, 16384, True): (128, 3, 2, 0, 0, 0, 0), (128, 1024, False): (128, 2, 2, 1, 1, 0, 1),
+               **{(128, n, False): (128, 2, 2, 1, 1, 0, 0) for n in (4096, 16384)},
+               **{(128, n, True): (128, 2, 2, 1, 1, 1, 0) for n in (1024, 4096, 16384)}}
 
 
 @pytest.mark.parametrize("cell, settings", GLUON_TABLE.items(), ids=[f"d{d}-n{n}-{'causal' if c else 'full'}"
@@ -44,7 +45,7 @@ def test_the_sm90_table_picks_the_measured_gluon_settings_per_cell(cell, setting
     problem = problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal)
     tiles = configs.default_tiles(problem, HOPPER)
     assert (tiles.gluon_block_n, tiles.gluon_consumers, tiles.gluon_stages, tiles.gluon_overlap,
-            tiles.gluon_persistent, tiles.gluon_balanced) == settings
+            tiles.gluon_persistent, tiles.gluon_balanced, tiles.gluon_across_tiles) == settings
     assert tiles.gluon_pingpong == 0
     # every setting the table picks is one the Gluon forward serves for the cell
     _on_a_hopper(monkeypatch)
@@ -103,6 +104,50 @@ def test_blocks_of_256_keys_are_a_narrow_head_setting_without_overlap(monkeypatc
     problem = dataclasses.replace(problem_for(1024, 1024, headdim, headdim, torch.bfloat16, False),
                                   device=torch.device("cuda"))
     assert configs.gluon_unserved_reason(problem, tile) == reason
+
+
+ACROSS = "the next tile's first block under a tile's last P V (gluon_across_tiles)"
+
+
+@pytest.mark.parametrize("tile, change, reason", [
+    (configs.GluonTile(across_tiles=True), dict(), ""),
+    (configs.GluonTile(across_tiles=True, pingpong=True, balanced=True), dict(headdim_v=64), ""),
+    (configs.GluonTile(across_tiles=True, overlap=False), dict(),
+     f"{ACROSS} continues the intra-warpgroup overlap: it needs gluon_overlap=1"),
+    (configs.GluonTile(across_tiles=True), dict(window_right=0),
+     f"{ACROSS} is built for dense batches without a band (causal or a window), where every tile sees a key"),
+    (configs.GluonTile(across_tiles=True), dict(window_left=100),
+     f"{ACROSS} is built for dense batches without a band (causal or a window), where every tile sees a key"),
+    (configs.GluonTile(across_tiles=True), dict(varlen=True),
+     f"{ACROSS} is built for dense batches without a band (causal or a window), where every tile sees a key"),
+    (configs.GluonTile(across_tiles=True, consumers=3), dict(headdim=64, headdim_v=64),
+     f"{ACROSS} with three consumer warpgroups (160 registers each) spills"),
+    (configs.GluonTile(across_tiles=True), dict(has_alibi=True), f"{ACROSS} with ALiBi spills under triton 3.9"),
+    (configs.GluonTile(across_tiles=True, num_stages=3), dict(),
+     f"{ACROSS} keeps two tiles' query rows beside the output's staging, which does not fit shared memory here"),
+    (configs.GluonTile(across_tiles=True), dict(headdim=256, headdim_v=256),
+     f"{ACROSS} keeps two tiles' query rows beside the output's staging, which does not fit shared memory here")])
+def test_each_tile_starts_under_the_last_only_where_every_tile_sees_a_key(monkeypatch, tile, change, reason):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, False), device=torch.device("cuda"),
+                                  **change)
+    assert configs.gluon_unserved_reason(problem, tile) == reason
+
+
+@pytest.mark.parametrize("headdim", (64, 128))
+def test_the_table_starts_each_tile_under_the_last_below_4k_keys_without_a_band(headdim):
+    def across(seqlen_q, seqlen_k, causal):
+        tiles = configs.default_tiles(problem_for(seqlen_q, seqlen_k, headdim, headdim, torch.bfloat16, causal),
+                                      HOPPER)
+        return tiles.forward_schedule == 3 and tiles.gluon_tile.across_tiles
+    assert across(1024, 1024, False) and across(100, 4096, False) and across(2048, 2048, False)
+    assert not across(4096, 4096, False) and not across(1024, 1024, True)
+    alibi = configs.default_tiles(problem_for(1024, 1024, headdim, headdim, torch.bfloat16, False, alibi=True), HOPPER)
+    assert alibi.forward_schedule == 3 and not alibi.gluon_tile.across_tiles
+    # two tiles' query rows fit beside two stages and the output's staging: 2 x (128 x 128 x 2 + 128 x 128) bf16
+    # + 2 x 128 x (128 + 128) bf16 + barriers
+    problem = problem_for(1024, 1024, 128, 128, torch.bfloat16, False)
+    assert configs.gluon_shared_bytes(problem, configs.GluonTile(across_tiles=True)) == 230400
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
@@ -185,6 +230,7 @@ def test_a_call_it_turns_away_runs_the_triton_forward_and_explain_says_why(seed)
 @pytest.mark.parametrize("setting, value, message", [
     ("gluon_overlap", 2, "tile setting gluon_overlap must be 0 or 1, got 2"),
     ("gluon_persistent", -1, "tile setting gluon_persistent must be 0 or 1, got -1"),
+    ("gluon_across_tiles", 2, "tile setting gluon_across_tiles must be 0 or 1, got 2"),
     ("gluon_stages", 0, "tile setting gluon_stages must be a positive int, got 0"),
     ("gluon_consumers", 4, "tile setting gluon_consumers must be 2 or 3, got 4"),
     ("gluon_block_n", 96, "tile setting gluon_block_n must be 64, 128 or 256, got 96"),

@@ -62,7 +62,9 @@ GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0), "pingpong": 
                       gluon_consumers=3, gluon_overlap=0, gluon_persistent=0),
                   "dealt-tiles": dict(gluon_persistent=1, gluon_balanced=1),
                   "256-key-blocks": dict(gluon_block_n=256, gluon_overlap=0),
-                  "fma-exponentials": dict(gluon_exp2_emulated=4)}
+                  "fma-exponentials": dict(gluon_exp2_emulated=4),
+                  "across-tiles": dict(gluon_across_tiles=1),
+                  "across-tiles-dealt-pingpong": dict(gluon_across_tiles=1, gluon_balanced=1, gluon_pingpong=1)}
 GLUON_CASES = {
     "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
     "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
@@ -78,20 +80,31 @@ GLUON_CASES = {
     # d = 64, where blocks of 256 keys run: rows that see no key, a ragged end past several blocks with GQA
     "d64-causal-masked-rows": ((1, 700, 300, 4, 4, 64, 64), {"causal": True}),
     "d64-long-k-gqa4": ((1, 257, 4097, 8, 2, 64, 64), {}),
+    # more tiles than SMs, so that a CTA takes several (with gluon_across_tiles, starting each under the last):
+    # ragged tiles with GQA, softcap with seqlen_q > seqlen_k, dv != d, ALiBi per head; causal with whole tiles
+    # whose rows see no key, a window
+    "d64-gqa8-many-tiles": ((8, 1000, 1000, 16, 2, 64, 64), {}),
+    "d128-softcap-long-q-many-tiles": ((4, 1500, 400, 16, 4, 128, 128), {"softcap": 30.0}),
+    "d128-alibi-many-tiles": ((4, 1000, 1000, 16, 4, 128, 128), {"alibi": True}),
+    "d96-dv64-many-tiles": ((4, 1000, 1000, 16, 16, 96, 64), {}),
+    "d128-causal-masked-tiles-alibi-many": ((4, 1500, 400, 16, 4, 128, 128), {"causal": True, "alibi": True}),
+    "d96-window-many-tiles": ((4, 1000, 1000, 16, 16, 96, 96), {"window_size": (200, 0)}),
 }
 
 
 def _gluon_serves(case, settings) -> bool:
     """Three consumer warpgroups (160 registers each) and blocks of 256 keys (their shared memory) are d <= 64 settings,
-    whose 256-wide heads take blocks of 64 keys; three stages do not fit 256-wide heads."""
-    return _serves_widths(case[0][5:], settings)
+    whose 256-wide heads take blocks of 64 keys; three stages, and two tiles' query rows (gluon_across_tiles), do not
+    fit 256-wide heads; the latter is built for calls without a band (causal or a window) or ALiBi."""
+    unlike_across = case[1].get("causal") or "window_size" in case[1] or case[1].get("alibi")
+    return _serves_widths(case[0][5:], settings) and not (unlike_across and settings.get("gluon_across_tiles"))
 
 
 def _serves_widths(widths, settings) -> bool:
     width = max(widths)
     return not ((settings.get("gluon_consumers") == 3 and width > 64) or
                 (settings.get("gluon_block_n") == 256 and 64 < width <= 128) or
-                (settings.get("gluon_stages") == 3 and width > 128))
+                ((settings.get("gluon_stages") == 3 or settings.get("gluon_across_tiles")) and width > 128))
 
 
 GLUON_PARAMS = [pytest.param(case, settings, id=f"{case_id}-{settings_id}")

@@ -31,6 +31,9 @@ class GluonTile:
     balanced: bool = False  # persistent: tiles dealt by the launcher to the least loaded CTA, not in snake order
     consumers: int = 2  # consumer warpgroups; three (192 query rows) is FlashAttention-3's tile at d = 64
     exp2_emulated: int = 0  # n: one exponential in n on the FMA units (FlashAttention-4's move; 0 none, 2, 4 or 8)
+    # with overlap: the next tile's first score matmul and softmax step issued under this tile's last P V (each
+    # consumer holds the query rows of two tiles)
+    across_tiles: bool = False
 
     @property
     def block_m(self) -> int:
@@ -57,17 +60,18 @@ class GluonTile:
         return (f"BLOCK_M {self.block_m} ({self.consumers} consumer warpgroups of 64 rows) x BLOCK_N {self.block_n}, "
                 f"{self.num_stages} K/V stages, {'with' if self.overlap else 'without'} intra-warpgroup overlap, "
                 f"{'with' if self.pingpong else 'without'} pingpong, "
-                f"{self._grid()}, "
-                f"{self.consumer_registers} registers per consumer thread"
+                f"{self._grid()}"
+                + (", the next tile's first block under each tile's last P V, " if self.across_tiles else ", ")
+                + f"{self.consumer_registers} registers per consumer thread"
                 + (f", one exponential in {self.exp2_emulated} on the FMA units" if self.exp2_emulated else ""))
 
 
 @functools.lru_cache(maxsize=256)
 def _gluon_tile_of(block_n: int, stages: int, overlap: int, pingpong: int, persistent: int, consumers: int,
-                   balanced: int, exp2_emulated: int) -> GluonTile:
+                   balanced: int, exp2_emulated: int, across_tiles: int) -> GluonTile:
     return GluonTile(block_n=block_n, num_stages=stages, overlap=bool(overlap), pingpong=bool(pingpong),
                      persistent=bool(persistent), consumers=consumers, balanced=bool(balanced),
-                     exp2_emulated=exp2_emulated)
+                     exp2_emulated=exp2_emulated, across_tiles=bool(across_tiles))
 
 
 GLUON_WIDTHS = (64, 128, 256)  # padded q/k and v head widths the Gluon forward serves (256: d == dv only)
@@ -98,7 +102,8 @@ def gluon_shares_qo(problem: AttentionProblem, tile: GluonTile) -> bool:
 
 def _gluon_bytes(problem: AttentionProblem, tile: GluonTile, shared_qo: bool) -> int:
     d, dv = padded_width(problem.headdim), padded_width(problem.headdim_v)
-    staging = tile.block_m * d if shared_qo else tile.block_m * (d + dv)
+    queries = tile.block_m * d * (2 if tile.across_tiles else 1)
+    staging = queries if shared_qo else queries + tile.block_m * dv
     return 2 * (staging + tile.num_stages * gluon_block_n(problem, tile) * (d + dv)) + 1024
 
 
@@ -157,6 +162,25 @@ def gluon_backward_unserved_reason(problem: AttentionProblem) -> str:
     return ""
 
 
+def _across_tiles_reason(p: AttentionProblem, tile: GluonTile) -> str:
+    """Why the next tile's first block cannot start under a tile's last P V (gluon_across_tiles) here ('' where it
+    can). The kernel takes each tile's first block as done before the tile, which holds where every tile sees a key."""
+    setting = "the next tile's first block under a tile's last P V (gluon_across_tiles)"
+    if not tile.overlap:
+        return f"{setting} continues the intra-warpgroup overlap: it needs gluon_overlap=1"
+    if p.varlen or p.is_banded:
+        return (f"{setting} is built for dense batches without a band (causal or a window), where every tile sees a "
+                "key")
+    if tile.consumers == 3:
+        return f"{setting} with three consumer warpgroups (160 registers each) spills"
+    if p.has_alibi:
+        return f"{setting} with ALiBi spills under triton 3.9"
+    if gluon_shares_qo(p, tile):
+        return (f"{setting} keeps two tiles' query rows beside the output's staging, which does not fit shared "
+                "memory here")
+    return ""
+
+
 def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     """Why the Gluon forward does not serve `problem` ('' where it does); the tensors' alignment is checked at
     launch (launch.gluon_unserved)."""
@@ -187,6 +211,10 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     if gluon_block_n(p, tile) == 256 and tile.overlap:
         return ("blocks of 256 keys with intra-warpgroup overlap hold two 64 x 256 score tiles at once and spill; "
                 "they run without it (gluon_overlap=0)")
+    if tile.across_tiles:
+        reason = _across_tiles_reason(p, tile)
+        if reason:
+            return reason
     if tile.consumers == 3 and p.varlen:
         return "three consumer warpgroups (160 registers each) spill with a packed batch's bookkeeping"
     if max(widths) > 128 and widths[0] != widths[1]:
@@ -244,6 +272,7 @@ class TritonTiles:
     gluon_consumers: int = 2  # consumer warpgroups of 64 query rows: 2 or 3
     gluon_balanced: int = 0  # persistent grid: the launcher deals the tiles (longest first, least loaded CTA)
     gluon_exp2_emulated: int = 0  # GluonTile.exp2_emulated; never chosen by the table (it measured slower)
+    gluon_across_tiles: int = 0  # GluonTile.across_tiles
 
     @property
     def dq_tile(self) -> tuple[int, int, int]:
@@ -256,7 +285,7 @@ class TritonTiles:
         """The Gluon forward's launch configuration (one object per distinct setting: a call reads it twice)."""
         return _gluon_tile_of(self.gluon_block_n, self.gluon_stages, self.gluon_overlap, self.gluon_pingpong,
                               self.gluon_persistent, self.gluon_consumers, self.gluon_balanced,
-                              self.gluon_exp2_emulated)
+                              self.gluon_exp2_emulated, self.gluon_across_tiles)
 
     @property
     def backward_one_launch(self) -> bool:
@@ -332,7 +361,7 @@ DQ_KEYS = DQ_TILE_KEYS + ("dq_max_registers",)  # what only the two-launch sched
 FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_schedule")  # forced: no table cap
 ZERO_MEANS_DEFAULT = DQ_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
 FLAG_KEYS = ("forward_separate_ragged_end", "gluon_overlap", "gluon_pingpong", "gluon_persistent",
-             "gluon_balanced")  # tile settings that are 0 or 1
+             "gluon_balanced", "gluon_across_tiles")  # tile settings that are 0 or 1
 
 # Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and dQ grids,
 # keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch, for every short sequence,
@@ -383,13 +412,16 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     settings at 12 cells), run C (-settings-loops-split-at-the-mask.jsonl: 10 settings of a build not kept, whose
     block loop was split at the band's edges and whose P was converted two elements at a time: it read the same
     within the runs' spread, and its conversion made the three-consumer tile spill under triton 3.9).
-    - no band, d = 128: two consumers, overlap, persistent in snake order, no pingpong: 1k / 4k / 16k, B: 546 / 604 /
-      616 against cuDNN 567 / 603 / 625.
-    - no band, d = 64 below 4k queries or keys: two consumers, blocks of 256 keys without overlap (with it, two 64 x
-      256 score tiles spill), 2 stages, persistent in snake order. raw/2026-12-02-h200-gluon-forward-key-blocks.jsonl,
-      runs 2 and 3 at 1k: 424.3 / 421.8 against 408.1 / 410.7 for the earlier rule (blocks of 128 keys, overlap, 3
-      stages), cuDNN 420.5 and 421.6 / 426.6 and 417.7 before and after; blocks of 64 keys 354-358. From 4k the
-      three consumers stay: 481.3 / 497.1 at 4k / 16k against 474.9-484.1 / 489.3-493.6 with blocks of 256.
+    - no band, below 4k queries or keys: two consumers, overlap, 2 stages, persistent in snake order, each tile
+      started under the last one's P V (gluon_across_tiles; raw/2026-12-02-h200-gluon-forward-across-tiles.jsonl
+      and -across-tiles-2.jsonl, the first of a build that also started causal tiles so, which spilled 16 bytes at
+      d = 128 and gained nothing causal): d = 128 1k 602.3 / 577.7 against 561.6 / 562.1 without it (cuDNN
+      567-580); d = 64 1k 430.0 / 432.8 against blocks of 256 keys without overlap 427.0 / 423.4 (which read
+      424.3 / 421.8 against 408.1 / 410.7 for blocks of 128 with overlap and 3 stages, blocks of 64 keys 354-358:
+      raw/2026-12-02-h200-gluon-forward-key-blocks.jsonl). From 4k it reads -1..+2%: off there. Not with ALiBi
+      (it spills under triton 3.9): those calls take two consumers with overlap (d = 64: not measured).
+    - no band, d = 128 from 4k: two consumers, overlap, persistent in snake order, no pingpong: 4k / 16k, B: 604 / 616
+      against cuDNN 603 / 625.
     - no band, d = 64 from 4k queries and keys: three consumers (192-row tiles), 2 stages, overlap; persistent in
       snake order up to 16k (4k: A / B / C 479 / 469 / 481 against two consumers' 456 / 455 / 452, cuDNN 461 / 457 /
       457), one CTA per tile from 16k (A / C 502 / 504, where the snake order read 498 / 445 / 506; cuDNN 468 / 456).
@@ -422,7 +454,7 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
         shortest = min(problem.seqlen_q, problem.seqlen_k)
         if not wide and shortest >= 4096:
             return dict(base, gluon_consumers=3, gluon_persistent=int(shortest < 16384))
-        return base if wide else dict(base, gluon_block_n=256, gluon_overlap=0)
+        return dict(base, gluon_across_tiles=1) if shortest < 4096 and not problem.has_alibi else base
     if wide:
         return dict(base, gluon_balanced=1)
     if problem.seqlen_k >= 16384:

@@ -15,6 +15,10 @@ row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
 - OVERLAP (intra-warpgroup overlap): a consumer issues Q Kᵀ of block j + 1 before the P V of block j and waits for
   the score matmul alone (`warpgroup_mma_wait(1)`), so its softmax of block j + 1 runs under its P V of block j;
   the accumulator's rescale waits for that P V.
+- ACROSS_TILES (with OVERLAP, dense calls without a band or ALiBi): the same across tiles: a consumer issues the
+  next tile's first Q Kᵀ before its tile's last P V and runs that block's softmax under it, the query rows of
+  consecutive tiles in two buffers taken in turn. Every tile sees a key there, so every tile's first block is done
+  before the tile (the CTA's first before the tile loop) and the loop carries P without a branch on it.
 - EXP2_EMULATED = n (FlashAttention-4's offload of the exponentials, opt-in): one probability in n is computed on
   the FMA units by a cubic in the fraction of its exponent (_exp2_on_fma_units) instead of by the MUFU unit.
 - PINGPONG (two consumers): they take turns through a pair of mbarriers: one issues its matmuls only on its turn
@@ -173,13 +177,20 @@ if AVAILABLE:
         return b, bh % nheads, m_block * BLOCK_M, (batch, q_row0, k_row0, seqlen_q, seqlen_k, diagonal_offset)
 
     @gluon.jit
+    def _query_buffer(tile_index, WG: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
+        """(buffer, mbarrier phase) of consumer WG's query rows in the CTA's tile_index-th tile: Q_BUFFERS buffers
+        per consumer taken in turn (two where the next tile's first block starts under this tile's last P V)."""
+        return (tile_index % Q_BUFFERS) * CONSUMERS + WG, (tile_index // Q_BUFFERS) & 1
+
+    @gluon.jit
     def _producer(descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
-                  VARLEN: gl.constexpr):
+                  VARLEN: gl.constexpr, ACROSS_TILES: gl.constexpr):
         """The load warp: per tile, every consumer's query rows, then every visible K and V block into the ring."""
         CONSUMERS: gl.constexpr = BLOCK_M // 64
+        Q_BUFFERS: gl.constexpr = 1 + ACROSS_TILES  # query rows of consecutive tiles in turn (_query_buffer)
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean, turn = bars
@@ -200,10 +211,13 @@ if AVAILABLE:
                 lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k_b, diagonal_b, window_left, window_right,
                                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
                 for w in gl.static_range(CONSUMERS):
-                    # the consumer frees its query rows once its last score matmul of the previous tile is done
-                    mbarrier.wait(q_empty.index(w), (tiles_done & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-                    tma_load(q_desc, [batch, h, q_start + m0 + w * 64, 0], q_ready.index(w), q_smem.index(w))
+                    # the consumer frees its query rows once its last score matmul of the buffer's previous tile is
+                    # done
+                    buffer, phase = _query_buffer(tiles_done, w, CONSUMERS, Q_BUFFERS)
+                    mbarrier.wait(q_empty.index(buffer), phase ^ 1)
+                    mbarrier.expect(q_ready.index(buffer), q_desc.block_type.nbytes)
+                    tma_load(q_desc, [batch, h, q_start + m0 + w * 64, 0], q_ready.index(buffer),
+                             q_smem.index(buffer))
                 for n0 in range(lo, hi, BLOCK_N):
                     stage = it % NUM_STAGES
                     phase = (it // NUM_STAGES) & 1
@@ -265,7 +279,7 @@ if AVAILABLE:
                              gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
 
     @gluon.jit
-    def _block_probabilities(s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope, masked,
+    def _block_probabilities(s, n0, row0, m_i, l_i, seqlen_q, seqlen_k, score_args, slope, masked,
                              col_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                              EXP2_EMULATED: gl.constexpr):
@@ -273,6 +287,8 @@ if AVAILABLE:
         _softmax_update, the element mask applied where `masked` (the block straddles a band edge or the keys' end)."""
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
         BLOCK_N: gl.constexpr = s.shape[1]
+        # the rows' indices are built here, where they are used, not held through the block loop
+        offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s.type.layout))
         s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, masked, HAS_LEFT,
                     HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2)
@@ -387,7 +403,7 @@ if AVAILABLE:
             tma_store(o_desc, [batch, h, q_start + row0, 0], o_tile)
 
     @gluon.jit
-    def _block_alone(q_tile, k_smem, k_ready, k_empty, it, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args,
+    def _block_alone(q_tile, k_smem, k_ready, k_empty, it, n0, row0, m_i, l_i, seqlen_q, seqlen_k, score_args,
                      slope, masked, my_turn, other_turn, turns, s_layout: gl.constexpr, col_layout: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr,
@@ -405,17 +421,86 @@ if AVAILABLE:
         # the K block is read: release it (one thread arrives, past its wait; a warpgroup's wgmma is one collective
         # operation, docs/compiler-workarounds.md)
         mbarrier.arrive(k_empty.index(stage), count=1)
-        p, alpha, m_i, l_i = _block_probabilities(s, n0, offs_m, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
+        p, alpha, m_i, l_i = _block_probabilities(s, n0, row0, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
                                                   masked, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                                   SCALE_IN_EXP2, EXP2_EMULATED)
         return p, alpha, m_i, l_i, turns
+
+    @gluon.jit
+    def _first_block_of(wave, first, programs, TileList, sizes, score_args, packing, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, TILE_LIST: gl.constexpr, WG: gl.constexpr):
+        """Where consumer WG's first key block of the CTA's `wave`-th tile lies, in a dense batch without a band
+        and ALiBi (ACROSS_TILES): (the consumer's first query row, the sequence as _tile_sequence, the score
+        arguments, the block's first key, whether it needs the element mask)."""
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
+        b, h, m0, sequence = _tile_sequence(_tile_number(wave, first, programs, TileList, TILE_LIST), sizes,
+                                            diagonal_offset, packing, BLOCK_M, False, False)
+        batch, q_start, k_start, seqlen_q, seqlen_k, diagonal = sequence
+        lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal, window_left, window_right, BLOCK_M,
+                                                    BLOCK_N, False, False)
+        args = (score_scale, softcap_scale, softcap_out, diagonal, window_left, window_right)
+        return m0 + WG * 64, sequence, args, lo, (lo < full_lo) | (lo >= full_hi)
+
+    @gluon.jit
+    def _nothing_carried(p_op, m, l):
+        """Fresh values in the layouts of a carried first block (P, m, l) where none is carried."""
+        return gl.zeros_like(p_op), gl.full_like(m, float("-inf")), gl.zeros_like(l)
+
+    @gluon.jit
+    def _first_block(q_tile, k_smem, k_ready, k_empty, it, n0, row0, m_i, l_i, seqlen_q, seqlen_k, score_args,
+                     slope, masked, my_turn, other_turn, turns, s_layout: gl.constexpr, col_layout: gl.constexpr,
+                     p_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                     EXP2_EMULATED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """A tile's first block under overlap, nothing to overlap its scores and softmax with yet: (P as the P V
+        matmul's A operand, m, l, turns) as _block_alone."""
+        p, alpha, m_i, l_i, turns = _block_alone(q_tile, k_smem, k_ready, k_empty, it, n0, row0, m_i, l_i,
+                                                 seqlen_q, seqlen_k, score_args, slope, masked, my_turn, other_turn,
+                                                 turns, s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                                 HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG)
+        return gl.convert_layout(p.to(q_tile.dtype), p_layout), m_i, l_i, turns
+
+    @gluon.jit
+    def _overlapped_block(q_tile, p_op, acc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, it, n0, row0, m_i,
+                          l_i, seqlen_q, seqlen_k, score_args, slope, masked, my_turn, other_turn, turns,
+                          s_layout: gl.constexpr, col_layout: gl.constexpr, HAS_LEFT: gl.constexpr,
+                          HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                          SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr, WG: gl.constexpr,
+                          PINGPONG: gl.constexpr):
+        """Q Kᵀ of the CTA's `it`-th key block (at n0, against q_tile) issued before the P V of block it - 1 (p_op
+        into acc), the new block's online-softmax step (from m_i, l_i) run under that P V: (p, alpha, m, l, acc,
+        turns) once both are done and their stages released. q_tile may be the next tile's query rows: then the
+        softmax step starts that tile while acc finishes this one."""
+        NUM_STAGES: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = v_smem.shape[3]
+        BLOCK_DV: gl.constexpr = v_smem.shape[4]
+        stage = it % NUM_STAGES
+        prev_stage = (it - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev_stage), ((it - 1) // NUM_STAGES) & 1)
+        turns = _take_turn(my_turn, turns, WG, PINGPONG)
+        s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc, is_async=True)
+        _pass_turn(other_turn, PINGPONG)
+        # the scores alone: the previous block's P V keeps running under this block's softmax. Its register operand
+        # P is not passed through the waits: ptxas tracks the registers of an in-flight wgmma itself (and would
+        # serialise wgmma, with a warning, where it could not), while passing P added 96 register moves to the
+        # compiled kernel (triton 3.6) and made the three-consumer variant spill under 3.9
+        s = warpgroup_mma_wait(1, deps=[s])
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        p, alpha, m_i, l_i = _block_probabilities(s, n0, row0, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
+                                                  masked, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                                  SCALE_IN_EXP2, EXP2_EMULATED)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(prev_stage), count=1)
+        return p, alpha, m_i, l_i, acc, turns
 
     @gluon.jit
     def _consumer(descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
-                  VARLEN: gl.constexpr, EXP2_EMULATED: gl.constexpr, WG: gl.constexpr):
+                  VARLEN: gl.constexpr, ACROSS_TILES: gl.constexpr, EXP2_EMULATED: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup WG (0 .. BLOCK_M / 64 - 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
@@ -425,6 +510,7 @@ if AVAILABLE:
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
         Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
         CONSUMERS: gl.constexpr = BLOCK_M // 64
+        Q_BUFFERS: gl.constexpr = 1 + ACROSS_TILES
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_DV: gl.constexpr = v_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
@@ -439,13 +525,32 @@ if AVAILABLE:
         # pingpong's two turns (two consumers only; a third consumer never takes a turn)
         my_turn = turn.index(WG % 2)
         other_turn = turn.index(1 - WG % 2)
-        q_tile = q_smem.index(WG).reshape([64, BLOCK_D])
         o_tile = o_smem.index(WG)
         it = 0
         turns = 0
         tiles_done = 0
         cleaned = 0  # VARLEN: the value blocks zeroed past a sequence's end so far (_zero_values_past_end)
         first, count = _tiles_of_this_cta(programs, waves, extra, TileStarts, TILE_LIST)
+        if ACROSS_TILES:
+            # each tile's first block is done before the tile (under the previous tile's last P V): its P and
+            # statistics. Every tile sees a key (a dense batch without a band, seqlen_k >= 1), so every tile after
+            # the CTA's first has its first block done at the previous one's end, and the tile loop holds no branch
+            # on it (such a branch made ptxas split P's bf16 pairs and spill them at d = 128). The CTA's first tile:
+            next_p_op = gl.zeros([64, BLOCK_N], dtype, layout=p_layout)
+            next_m = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
+            next_l = gl.full([64], 0.0, gl.float32, layout=row_layout)
+            if count > 0:
+                row0_n, sequence_n, args_n, n0_n, masked_n = _first_block_of(
+                    0, first, programs, TileList, sizes, score_args, packing, BLOCK_M, BLOCK_N, TILE_LIST, WG)
+                batch_n, q_start_n, k_start_n, seqlen_q_n, seqlen_k_n, diagonal_n = sequence_n
+                q_buffer, q_phase = _query_buffer(0, WG, CONSUMERS, Q_BUFFERS)
+                mbarrier.wait(q_ready.index(q_buffer), q_phase)
+                next_p_op, next_m, next_l, turns = _first_block(
+                    q_smem.index(q_buffer).reshape([64, BLOCK_D]), k_smem, k_ready, k_empty, it, n0_n, row0_n,
+                    next_m, next_l, seqlen_q_n, seqlen_k_n, args_n, 0.0, masked_n, my_turn, other_turn, turns,
+                    s_layout, col_layout, p_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2,
+                    EXP2_EMULATED, WG, PINGPONG)
+                it += 1
         for wave in range(count):
             b, h, m0, sequence = _tile_sequence(_tile_number(wave, first, programs, TileList, TILE_LIST), sizes,
                                                 diagonal_offset, packing, BLOCK_M, HAS_RIGHT or VARLEN, VARLEN)
@@ -456,53 +561,41 @@ if AVAILABLE:
                 lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k_b, diagonal_b, window_left, window_right,
                                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
                 row0 = m0 + WG * 64
-                offs_m = row0 + gl.arange(0, 64, layout=row_layout)
                 slope = 0.0
                 if HAS_ALIBI:
                     slope = gl.load(Slopes + b * stride_slopes_b + h)
                 acc = gl.zeros([64, BLOCK_DV], gl.float32, layout=o_layout)
                 m_i = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
                 l_i = gl.full([64], 0.0, gl.float32, layout=row_layout)
-                mbarrier.wait(q_ready.index(WG), tiles_done & 1)
+                q_buffer, q_phase = _query_buffer(tiles_done, WG, CONSUMERS, Q_BUFFERS)
+                q_tile = q_smem.index(q_buffer).reshape([64, BLOCK_D])
+                # (with ACROSS_TILES already complete: the buffer is not refilled before this consumer frees it)
+                mbarrier.wait(q_ready.index(q_buffer), q_phase)
                 if lo < hi:
                     if OVERLAP:
-                        # the first block: nothing to overlap its scores and softmax with yet
-                        p, alpha, m_i, l_i, turns = _block_alone(
-                            q_tile, k_smem, k_ready, k_empty, it, lo, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b,
-                            tile_args, slope, (lo < full_lo) | (lo >= full_hi), my_turn, other_turn, turns, s_layout,
-                            col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2,
-                            EXP2_EMULATED, WG, PINGPONG)
-                        p_op = gl.convert_layout(p.to(dtype), p_layout)
-                        it += 1
+                        if ACROSS_TILES:
+                            p_op = next_p_op
+                            m_i = next_m
+                            l_i = next_l
+                        else:
+                            p_op, m_i, l_i, turns = _first_block(
+                                q_tile, k_smem, k_ready, k_empty, it, lo, row0, m_i, l_i, seqlen_q_b, seqlen_k_b,
+                                tile_args, slope, (lo < full_lo) | (lo >= full_hi), my_turn, other_turn, turns,
+                                s_layout, col_layout, p_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG)
+                            it += 1
                         for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
-                            stage = it % NUM_STAGES
-                            prev_stage = (it - 1) % NUM_STAGES
-                            mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
-                            mbarrier.wait(v_ready.index(prev_stage), ((it - 1) // NUM_STAGES) & 1)
-                            turns = _take_turn(my_turn, turns, WG, PINGPONG)
-                            s = _issue_scores(q_tile, k_smem.index(stage), s_layout)
-                            acc = warpgroup_mma(p_op, v_smem.index(prev_stage).reshape([BLOCK_N, BLOCK_DV]), acc,
-                                                is_async=True)
-                            _pass_turn(other_turn, PINGPONG)
-                            # the scores alone: the previous block's P V keeps running under this block's softmax.
-                            # Its register operand P is not passed through the waits: ptxas tracks the registers of
-                            # an in-flight wgmma itself (and would serialise wgmma, with a warning, where it could
-                            # not), while passing P added 96 register moves to the compiled kernel (triton 3.6) and
-                            # made the three-consumer variant spill under 3.9
-                            s = warpgroup_mma_wait(1, deps=[s])
-                            mbarrier.arrive(k_empty.index(stage), count=1)
-                            p, alpha, m_i, l_i = _block_probabilities(
-                                s, n0, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b, tile_args, slope,
-                                (n0 < full_lo) | (n0 >= full_hi), col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED)
-                            acc = warpgroup_mma_wait(0, deps=[acc])
-                            mbarrier.arrive(v_empty.index(prev_stage), count=1)
+                            p, alpha, m_i, l_i, acc, turns = _overlapped_block(
+                                q_tile, p_op, acc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, it, n0, row0,
+                                m_i, l_i, seqlen_q_b, seqlen_k_b, tile_args, slope, (n0 < full_lo) | (n0 >= full_hi),
+                                my_turn, other_turn, turns, s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG)
                             acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
                             p_op = gl.convert_layout(p.to(dtype), p_layout)
                             it += 1
                         # this tile's last score matmul is done: the producer may load the next tile's query rows
                         # (unless they share their buffer with the output's staging: then once it is stored)
-                        mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
+                        mbarrier.arrive(q_empty.index(q_buffer), count=1, pred=not SHARE_QO)
                         if VARLEN:
                             last = lo + (hi - 1 - lo) // BLOCK_N * BLOCK_N
                             if last + BLOCK_N > seqlen_k_b:
@@ -510,14 +603,40 @@ if AVAILABLE:
                                 _zero_values_past_end(v_smem, (it - 1) % NUM_STAGES, seqlen_k_b - last, v_clean,
                                                       cleaned, WG, CONSUMERS)
                                 cleaned += 1
-                        acc, turns = _last_values(p_op, acc, v_smem, v_ready, v_empty, it - 1, my_turn, other_turn,
-                                                  turns, WG, PINGPONG)
+                        if ACROSS_TILES:
+                            # the CTA's next tile, if any: its first score matmul and softmax step run under this
+                            # tile's last P V
+                            if wave + 1 < count:
+                                row0_n, sequence_n, args_n, n0_n, masked_n = _first_block_of(
+                                    wave + 1, first, programs, TileList, sizes, score_args, packing, BLOCK_M, BLOCK_N,
+                                    TILE_LIST, WG)
+                                batch_n, q_start_n, k_start_n, seqlen_q_n, seqlen_k_n, diagonal_n = sequence_n
+                                next_buffer, next_phase = _query_buffer(tiles_done + 1, WG, CONSUMERS, Q_BUFFERS)
+                                mbarrier.wait(q_ready.index(next_buffer), next_phase)
+                                p, alpha, next_m, next_l, acc, turns = _overlapped_block(
+                                    q_smem.index(next_buffer).reshape([64, BLOCK_D]), p_op, acc, k_smem, v_smem,
+                                    k_ready, k_empty, v_ready, v_empty, it, n0_n, row0_n,
+                                    gl.full([64], float("-inf"), gl.float32, layout=row_layout),
+                                    gl.full([64], 0.0, gl.float32, layout=row_layout), seqlen_q_n, seqlen_k_n, args_n,
+                                    0.0, masked_n, my_turn, other_turn, turns, s_layout, col_layout, HAS_LEFT,
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG)
+                                next_p_op = gl.convert_layout(p.to(dtype), p_layout)
+                                it += 1
+                            else:
+                                acc, turns = _last_values(p_op, acc, v_smem, v_ready, v_empty, it - 1, my_turn,
+                                                          other_turn, turns, WG, PINGPONG)
+                                # nothing carried; every path assigns the carried values, so that none holds its
+                                # registers through a tile that does not use it
+                                next_p_op, next_m, next_l = _nothing_carried(next_p_op, next_m, next_l)
+                        else:
+                            acc, turns = _last_values(p_op, acc, v_smem, v_ready, v_empty, it - 1, my_turn,
+                                                      other_turn, turns, WG, PINGPONG)
                     else:
                         for n0 in range(lo, hi, BLOCK_N):
                             stage = it % NUM_STAGES
                             phase = (it // NUM_STAGES) & 1
                             p, alpha, m_i, l_i, turns = _block_alone(
-                                q_tile, k_smem, k_ready, k_empty, it, n0, offs_m, m_i, l_i, seqlen_q_b, seqlen_k_b,
+                                q_tile, k_smem, k_ready, k_empty, it, n0, row0, m_i, l_i, seqlen_q_b, seqlen_k_b,
                                 tile_args, slope, (n0 < full_lo) | (n0 >= full_hi), my_turn, other_turn, turns,
                                 s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2,
                                 EXP2_EMULATED, WG, PINGPONG)
@@ -534,16 +653,19 @@ if AVAILABLE:
                             acc = warpgroup_mma_wait(0, deps=[acc])
                             mbarrier.arrive(v_empty.index(stage), count=1)
                             it += 1
-                        mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
+                        mbarrier.arrive(q_empty.index(q_buffer), count=1, pred=not SHARE_QO)
                 else:
                     # no visible key: nothing to compute, the query rows are free at once
-                    mbarrier.arrive(q_empty.index(WG), count=1, pred=not SHARE_QO)
+                    mbarrier.arrive(q_empty.index(q_buffer), count=1, pred=not SHARE_QO)
+                    if ACROSS_TILES:
+                        # (never: every tile sees a key)
+                        next_p_op, next_m, next_l = _nothing_carried(next_p_op, next_m, next_l)
                 _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout, VARLEN)
                 if SHARE_QO:
                     # the output was staged in the query rows' buffer: free it once the store has read it
                     tma.store_wait(0)
                     thread_barrier()
-                    mbarrier.arrive(q_empty.index(WG), count=1)
+                    mbarrier.arrive(q_empty.index(q_buffer), count=1)
                 tiles_done += 1
         tma.store_wait(0)
 
@@ -558,14 +680,22 @@ if AVAILABLE:
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
         SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr,
         SHARE_QO: gl.constexpr, VARLEN: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+        ACROSS_TILES: gl.constexpr,
     ):
         CONSUMERS: gl.constexpr = BLOCK_M // 64
         gl.static_assert(CONSUMERS * 64 == BLOCK_M and (CONSUMERS == 2 or CONSUMERS == 3),
                          "two or three consumer warpgroups of 64 query rows")
         gl.static_assert(not PINGPONG or CONSUMERS == 2, "pingpong takes turns between two consumers")
         gl.static_assert(not (VARLEN and TILE_LIST), "the launcher deals no packed batch's tiles")
-        # shared memory: each consumer's query rows and output staging, the K/V ring
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        gl.static_assert(not ACROSS_TILES or
+                         (OVERLAP and not (VARLEN or SHARE_QO or HAS_LEFT or HAS_RIGHT or HAS_ALIBI)),
+                         "the next tile's first block under this tile's last P V: with overlap, dense batches "
+                         "without a band or ALiBi, the output staged apart from the query rows")
+        Q_BUFFERS: gl.constexpr = 1 + ACROSS_TILES
+        # shared memory: each consumer's query rows (of two tiles in turn with ACROSS_TILES) and output staging, the
+        # K/V ring
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS * CONSUMERS] + q_desc.block_type.shape,
+                                           q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
         if SHARE_QO:
@@ -575,15 +705,15 @@ if AVAILABLE:
             o_smem = q_smem
         else:
             o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_clean = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(CONSUMERS):
+        for i in gl.static_range(Q_BUFFERS * CONSUMERS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(2):
@@ -612,26 +742,26 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 0)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 1)),
             ], [4, 4], [CONSUMER_REGISTERS] * 2)
         else:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 0)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 1)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, EXP2_EMULATED, 2)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 2)),
             ], [4, 4, 4], [CONSUMER_REGISTERS] * 3)

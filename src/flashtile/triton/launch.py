@@ -149,10 +149,10 @@ WARP_SPECIALIZED_WARNING = (
     "use the default table for anything that matters")
 
 
-# once per process: the Gluon dK/dV kernel is opt-in until it has run on a GPU
+# once per process: the Gluon dK/dV kernel is opt-in; right on its GPU tests, but slower than the table's backward
 GLUON_BACKWARD_WARNING = (
-    "backward_schedule=4 (the Gluon dK/dV kernel, opt-in) is experimental: CI compiles it for sm_90, and flashtile's "
-    "tests have not yet run it on a GPU; use the default table for anything that matters")
+    "backward_schedule=4 (the Gluon dK/dV kernel, opt-in) is experimental: it passed its tests on an H200 but ran "
+    "2-9% slower than the table's backward there (BENCHMARKS.md); the default table is faster")
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -404,7 +404,7 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
         HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong, TILE_LIST=tile_list,
         SHARE_QO=share_qo, VARLEN=varlen, CONSUMER_REGISTERS=tile.consumer_registers,
-        EXP2_EMULATED=tile.exp2_emulated, num_warps=4,
+        EXP2_EMULATED=tile.exp2_emulated, ACROSS_TILES=tile.across_tiles, num_warps=4,
         maxnreg=tile.max_registers)
     return out, lse
 
