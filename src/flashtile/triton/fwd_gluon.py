@@ -658,7 +658,8 @@ if AVAILABLE:
                     # no visible key: nothing to compute, the query rows are free at once
                     mbarrier.arrive(q_empty.index(q_buffer), count=1, pred=not SHARE_QO)
                     if ACROSS_TILES:
-                        # (never: every tile sees a key)
+                        # not reached (there every tile sees a key); assigned so that this branch, too, leaves no
+                        # earlier P held through the tile
                         next_p_op, next_m, next_l = _nothing_carried(next_p_op, next_m, next_l)
                 _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout, VARLEN)
                 if SHARE_QO:
