@@ -30,8 +30,10 @@ import torch  # noqa: E402
 
 import flashtile  # noqa: E402
 
-# Tests pick backends explicitly; a developer's FLASHTILE_BACKEND must not leak into them.
+# Tests pick backends and schedules explicitly; a developer's FLASHTILE_BACKEND / FLASHTILE_SCHEDULE must not leak
+# into them.
 os.environ.pop("FLASHTILE_BACKEND", None)
+os.environ.pop("FLASHTILE_SCHEDULE", None)
 
 DEVICE = torch.device(_DEVICE_NAME)
 INTERPRETED = DEVICE.type == "cpu"

@@ -6,12 +6,14 @@ Public API:
     flash_attn_with_kvcache        decoding against a contiguous or paged KV cache, appending in place
     scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                        what a call would run (backend, kernel, tiles) and why
-    use_backend                    context manager choosing the backend ("auto", "torch", "triton")
+    use_backend                    context manager choosing the backend ("auto", "torch", "triton") and schedule
+    schedules                      the Triton backend's schedules (fa1, fa2, fa3, decode) and where each runs
     reference                      the float64 oracle (dense; for checking only)
 """
 
 from . import reference
 from ._dispatch import use_backend
+from ._schedules import Schedule, schedules
 from .errors import BackendUnavailableError, KernelCompileError
 from .interface import (Explanation, explain, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                         scaled_dot_product_attention)
@@ -27,7 +29,9 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "reference",
+    "Schedule",
     "scaled_dot_product_attention",
+    "schedules",
     "use_backend",
     "__version__",
 ]

@@ -1,9 +1,11 @@
 """Backend selection: which implementation serves a call, with which tiles, and why.
 
 The choice comes from, in order: the innermost `use_backend(...)` context, the environment
-variable FLASHTILE_BACKEND (auto | torch | triton, read at every call), and "auto". `auto` picks
-the best backend available for the tensors' device. A backend named explicitly that cannot serve
-the call raises `BackendUnavailableError` saying why; nothing falls back silently.
+variables FLASHTILE_BACKEND (auto | torch | triton) and FLASHTILE_SCHEDULE (a schedule of the Triton
+backend: fa1 | fa2 | fa3 | decode; it implies triton), both read at every call, and "auto". A context
+replaces the environment's request whole (its schedule too). `auto` picks the best backend available
+for the tensors' device. A backend or schedule named explicitly that cannot serve the call raises
+`BackendUnavailableError` saying why; nothing falls back silently.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import torch_impl
+from . import _schedules, torch_impl
 from ._geometry import count_visited_tiles
 from ._validate import AttentionProblem
 from .errors import BackendUnavailableError
@@ -35,21 +37,30 @@ class _Request:
     name: str  # "auto" or one of BACKEND_NAMES
     source: str  # where the request came from, for explain()
     tile_overrides: dict[str, Any] = field(default_factory=dict)
+    schedule: str | None = None  # a schedule forced on the triton backend (_schedules.SCHEDULE_NAMES)
 
     @functools.cached_property
     def key(self) -> tuple:
         """The request as a hashable value (overrides as sorted pairs), computed once per request object."""
-        return self.name, self.source, tuple(sorted(self.tile_overrides.items()))
+        return self.name, self.source, tuple(sorted(self.tile_overrides.items())), self.schedule
 
 
 _DEFAULT_REQUEST = _Request("auto", "default (auto)")
 
 
 @functools.lru_cache(maxsize=64)
-def _environment_request(value: str) -> _Request:
-    # one request object per value of the variable, so that its key is built once (a decode step reads it every
+def _environment_request(value: str, schedule: str = "") -> _Request:
+    # one request object per value of the variables, so that its key is built once (a decode step reads them every
     # call); an invalid value raises every time (lru_cache keeps no exceptions)
-    return _Request(_check_name(value.strip().lower(), f"environment variable {ENV_VAR}"), f"{ENV_VAR}={value.strip()}")
+    value, schedule = value.strip(), schedule.strip()
+    if not schedule:
+        return _Request(_check_name(value.lower(), f"environment variable {ENV_VAR}"), f"{ENV_VAR}={value}")
+    name = _schedules.check_schedule(schedule.lower(), f"environment variable {_schedules.SCHEDULE_ENV_VAR}")
+    if value and value.lower() != "triton":
+        raise ValueError(f"environment variable {_schedules.SCHEDULE_ENV_VAR} is {schedule!r}, a schedule of the "
+                         f"'triton' backend, but {ENV_VAR} is {value!r}; unset {ENV_VAR} or set it to 'triton'")
+    source = (f"{ENV_VAR}={value}, " if value else "") + f"{_schedules.SCHEDULE_ENV_VAR}={schedule}"
+    return _Request("triton", source, schedule=name)
 
 
 _context_request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("flashtile_backend", default=None)
@@ -69,8 +80,13 @@ class TorchBackend:
         if value < 1:
             raise ValueError(f"tile setting {key} must be a positive int, got {value}")
 
-    def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> torch_impl.TorchTiles:
+    def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any],
+                     schedule: str | None = None) -> torch_impl.TorchTiles:
+        assert schedule is None, "schedules are the triton backend's (use_backend checks)"
         return dataclasses.replace(torch_impl.default_tiles(problem), **overrides)
+
+    def describe_kernel(self, problem: AttentionProblem, tiles: torch_impl.TorchTiles) -> str:
+        return f"{self.name!r} — {self.kernel}"
 
     def tiles_to_list(self, tiles: torch_impl.TorchTiles) -> list[int]:
         return [tiles.block_q, tiles.block_k]
@@ -185,9 +201,11 @@ class TritonBackend:
         elif value < 1:
             raise ValueError(f"tile setting {key} must be a positive int, got {value}")
 
-    def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any]) -> triton_configs.TritonTiles:
+    def choose_tiles(self, problem: AttentionProblem, overrides: dict[str, Any],
+                     schedule: str | None = None) -> triton_configs.TritonTiles:
+        """The table's tiles for `problem`, or those of the forced `schedule`, with the caller's `overrides`."""
         capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
-        tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), **overrides)
+        tiles = dataclasses.replace(self._schedule_tiles(problem, capability, schedule, overrides), **overrides)
         forced_forward = any(key in overrides for key in triton_configs.FORWARD_TILE_KEYS)
         if forced_forward and "forward_max_registers" not in overrides:
             # the table's register cap belongs to its own forward tile (two programs per SM at that tile)
@@ -208,6 +226,39 @@ class TritonBackend:
             # the table's dQ tile belongs to its two-launch schedule: a forced one-launch schedule has none
             tiles = dataclasses.replace(tiles, **dict.fromkeys(triton_configs.DQ_KEYS, 0))
         return tiles
+
+    @staticmethod
+    def _schedule_tiles(problem: AttentionProblem, capability: tuple[int, int] | None, schedule: str | None,
+                        overrides: dict[str, Any]) -> triton_configs.TritonTiles:
+        """The table's tiles (schedule None), or the forced schedule's: fa2 the table without the Gluon forward
+        (triton_configs.portable_tiles: forward schedule 1 on sm_90 for fp16 / bf16 up to d = 128, else 0), fa3 the
+        table with forward schedule 3, fa1 the FA1 kernel's default blocks; decode the table (its kernels take
+        their tile from the cache layout). The backward is the table's in every schedule."""
+        if schedule is None:
+            return triton_configs.default_tiles(problem, capability)
+        forced = overrides.get("forward_schedule")
+        if forced is not None and (schedule != "fa2" or forced == 3):
+            raise ValueError(f"tile setting forward_schedule={forced} contradicts schedule {schedule!r}: "
+                             "forward_schedule picks among the fa2 schedule's kernels (0, 1 or 2)")
+        code = triton_configs.SCHEDULE_CODES[schedule]
+        if schedule == "fa2":
+            return dataclasses.replace(triton_configs.portable_tiles(problem, capability), forced_schedule=code)
+        tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), forced_schedule=code)
+        if schedule == "fa3":
+            return dataclasses.replace(tiles, forward_schedule=3)
+        if schedule == "fa1":
+            from .triton.fwd_fa1 import default_fa1_blocks  # defines the FA1 kernel: only when it is asked for
+
+            block_m, block_n = default_fa1_blocks(problem.headdim, problem.headdim_v, problem.dtype)
+            # one stage and no register cap: the FA1 launcher takes only blocks and warps
+            return dataclasses.replace(tiles, block_m=block_m, block_n=block_n, num_warps=4, num_stages=1,
+                                       forward_schedule=0, forward_max_registers=0, forward_separate_ragged_end=0)
+        return tiles
+
+    def describe_kernel(self, problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:
+        name = _schedules.running_schedule(problem, tiles)
+        forced = " (forced)" if tiles.forced_schedule else ""
+        return f"{self.name!r}, schedule {name!r}{forced} — {_schedules.describe_kernels(name)}"
 
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:
         return list(dataclasses.astuple(tiles))
@@ -266,21 +317,32 @@ def current_request() -> _Request:
     request = _context_request.get()
     if request is not None:
         return request
-    env = os.environ.get(ENV_VAR)
-    if env is not None and env.strip():
-        return _environment_request(env)
+    env = os.environ.get(ENV_VAR, "")
+    schedule = os.environ.get(_schedules.SCHEDULE_ENV_VAR, "")
+    if env.strip() or schedule.strip():
+        return _environment_request(env, schedule)
     return _DEFAULT_REQUEST
 
 
 @contextlib.contextmanager
-def use_backend(name: str, **tile_overrides: int) -> Iterator[None]:
+def use_backend(name: str, *, schedule: str | None = None, **tile_overrides: int) -> Iterator[None]:
     """Run the calls inside the `with` block on backend `name` ("auto", "torch" or "triton").
 
+    schedule: for the triton backend, the schedule every call runs ("fa1", "fa2", "fa3" or "decode"; see
+    `flashtile.schedules()`), instead of the tile table's choice; a call it cannot serve raises
+    BackendUnavailableError naming the schedule and why. None: the table's choice.
     Keyword arguments force the tile shape of that backend (for the torch backend: block_q and
-    block_k, positive ints), which `explain()` then reports. Contexts nest; the innermost wins.
-    Raises ValueError for an unknown backend, an unknown tile key or a non-positive tile size.
+    block_k, positive ints), which `explain()` then reports. Contexts nest; the innermost wins, and a
+    context replaces FLASHTILE_BACKEND / FLASHTILE_SCHEDULE whole.
+    Raises ValueError for an unknown backend or schedule, a schedule with a backend other than "triton",
+    an unknown tile key or a non-positive tile size.
     """
     name = _check_name(name, "use_backend name")
+    if schedule is not None:
+        _schedules.check_schedule(schedule, "use_backend schedule")
+        if name != "triton":
+            raise ValueError(f"use_backend schedule={schedule!r} is a schedule of the 'triton' backend, but the "
+                             f"backend is {name!r}; use use_backend('triton', schedule={schedule!r})")
     if tile_overrides:
         if name == "auto":
             raise ValueError("tile overrides need a named backend, not 'auto'")
@@ -291,7 +353,8 @@ def use_backend(name: str, **tile_overrides: int) -> Iterator[None]:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"tile setting {key} must be an int, got {value!r}")
             BACKENDS[name].check_tile_setting(key, value)
-    token = _context_request.set(_Request(name, f"use_backend({name!r})", dict(tile_overrides)))
+    source = f"use_backend({name!r}" + (f", schedule={schedule!r})" if schedule is not None else ")")
+    token = _context_request.set(_Request(name, source, dict(tile_overrides), schedule))
     try:
         yield
     finally:
@@ -323,9 +386,17 @@ def plan(problem: AttentionProblem) -> Plan:
         backend = BACKENDS[request.name]
         why_not = backend.unavailable_reason(problem)
         if why_not is not None:
-            raise BackendUnavailableError(f"backend {request.name!r} (requested by {request.source}) cannot serve this call: {why_not}")
+            raise BackendUnavailableError(f"backend {request.name!r} (requested by {request.source}) cannot serve "
+                                          f"this call: {why_not}")
         reason = f"requested by {request.source}"
-    tiles = backend.choose_tiles(problem, request.tile_overrides)
+    if request.schedule is None:
+        tiles = backend.choose_tiles(problem, request.tile_overrides)
+    else:
+        tiles = backend.choose_tiles(problem, request.tile_overrides, request.schedule)
+        why_not = _schedules.unserved_reason(request.schedule, problem, tiles)
+        if why_not:
+            raise BackendUnavailableError(f"schedule {request.schedule!r} of backend 'triton' (requested by "
+                                          f"{request.source}) cannot serve this call: {why_not}")
     if request.tile_overrides:
         reason += f"; tiles forced to {request.tile_overrides}"
     return Plan(backend=backend, tiles=tiles, reason=reason)

@@ -218,7 +218,8 @@ class Explanation(str):
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, api: str = "flash_attn_func", **kwargs: Any) -> Explanation:
-    """Describe the backend, kernel and tiles a call with these arguments would run, and why.
+    """Describe the backend, schedule (Triton backend: fa1, fa2, fa3 or decode), kernels and tiles a call with
+    these arguments would run, and why.
 
     Takes the same arguments as `flash_attn_func` (or, with api="flash_attn_varlen_func",
     "flash_attn_with_kvcache" or "scaled_dot_product_attention", as that function; pass the extra
@@ -242,7 +243,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, api: str = "flash_attn_func", **
     except (TypeError, ValueError, NotImplementedError, _dispatch.BackendUnavailableError) as error:
         return Explanation(f"this call would raise {type(error).__name__}: {error}")
     p = call.problem
-    lines = [f"backend: {chosen.backend.name!r} — {chosen.backend.kernel}", f"why: {chosen.reason}"]
+    lines = [f"backend: {chosen.backend.describe_kernel(p, chosen.tiles)}", f"why: {chosen.reason}"]
     shape = (f"nheads {p.nheads} (nheads_k {p.nheads_k}), headdim {p.headdim}, headdim_v {p.headdim_v}, "
              f"{str(p.dtype).replace('torch.', '')} on {p.device}")
     if p.kvcache:

@@ -273,6 +273,10 @@ class TritonTiles:
     gluon_balanced: int = 0  # persistent grid: the launcher deals the tiles (longest first, least loaded CTA)
     gluon_exp2_emulated: int = 0  # GluonTile.exp2_emulated; never chosen by the table (it measured slower)
     gluon_across_tiles: int = 0  # GluonTile.across_tiles
+    # the schedule a caller forced (use_backend(..., schedule=...) or FLASHTILE_SCHEDULE), as SCHEDULE_CODES[name];
+    # 0: the table's choice. An int like every other field, so that the tiles travel as a list of ints (the custom
+    # ops, the resolution cache); not a tile setting (TILE_KEYS leaves it out)
+    forced_schedule: int = 0
 
     @property
     def dq_tile(self) -> tuple[int, int, int]:
@@ -355,7 +359,11 @@ BACKWARD_SCHEDULES = {
 }
 GLUON_BACKWARD_SCHEDULES = (4,)  # the Gluon dK/dV kernel; where it does not serve a call, schedule 2 runs
 
-TILE_KEYS = tuple(TritonTiles.__dataclass_fields__)
+# the schedules of the registry (flashtile.schedules) as TritonTiles.forced_schedule encodes them; 0 is none
+SCHEDULE_CODES = {"fa1": 1, "fa2": 2, "fa3": 3, "decode": 4}
+SCHEDULE_NAMES = {code: name for name, code in SCHEDULE_CODES.items()}
+
+TILE_KEYS = tuple(key for key in TritonTiles.__dataclass_fields__ if key != "forced_schedule")
 DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV tile transposed (TritonTiles.dq_tile)
 DQ_KEYS = DQ_TILE_KEYS + ("dq_max_registers",)  # what only the two-launch schedules' dQ kernel has
 FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_schedule")  # forced: no table cap
@@ -471,6 +479,13 @@ def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
     tiles = _triton_tiles(problem, capability)
     hopper = capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
     return dataclasses.replace(tiles, **_gluon_forward(problem, hopper))
+
+
+def portable_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
+    """The table without the Gluon forward: the Triton kernels' settings (the fa2 schedule). Its forward is
+    attention_fwd_tma_kernel (schedule 1) on sm_90 for fp16 / bf16 with head dims up to 128, attention_fwd_kernel
+    (schedule 0) elsewhere."""
+    return _triton_tiles(problem, capability)
 
 
 def _triton_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:

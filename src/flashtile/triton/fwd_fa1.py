@@ -42,11 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validate import prepare_flash_attn
+from .._validate import AttentionProblem, prepare_flash_attn
 from .common import LOG2E, band_mask, load_tile, program_heads, query_block_bounds
 from .configs import padded_width
 
-__all__ = ["attention_fwd_fa1_kernel", "default_fa1_blocks", "forward_fa1"]
+__all__ = ["attention_fwd_fa1_kernel", "default_fa1_blocks", "forward_fa1", "launch_fa1"]
 
 
 @triton.jit
@@ -274,6 +274,13 @@ def forward_fa1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale
     if type(num_warps) is not int or num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two >= 1, got {num_warps!r}")
 
+    return launch_fa1(q, k, v, p, block_m, block_n, num_warps)
+
+
+def launch_fa1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionProblem, block_m: int, block_n: int,
+               num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launcher behind forward_fa1 and the backend's fa1 schedule: q, k, v already validated into problem `p`
+    (dense batch, unit-stride head dims, no softcap / ALiBi / mask); returns out and lse as forward_fa1 does."""
     out = torch.empty(p.batch, p.seqlen_q, p.nheads, p.headdim_v, dtype=p.dtype, device=p.device)
     lse = torch.empty(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=p.device)
     if out.numel() == 0 and lse.numel() == 0:

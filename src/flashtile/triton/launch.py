@@ -26,7 +26,9 @@ from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_
 from . import configs
 from .configs import GluonTile, TritonTiles, interpreting
 from .decode import attention_decode_combine_kernel, attention_decode_kernel
+from ..errors import BackendUnavailableError
 from .fwd import attention_fwd_kernel
+from .fwd_fa1 import launch_fa1
 from .fwd_tma import attention_fwd_tma_kernel
 from . import gluon_compat
 from .bwd_gluon import WARPGROUP_KEYS, attention_bwd_dkdv_gluon_kernel
@@ -242,8 +244,16 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     out is then (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q).
     """
     p = problem
-    if tiles.forward_schedule == 3 and not gluon_unserved(q, k, v, p, tiles.gluon_tile):
-        return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile, cu_seqlens_q, cu_seqlens_k)
+    if tiles.forced_schedule == configs.SCHEDULE_CODES["fa1"]:
+        # the dispatcher forced it only for calls it serves (_schedules.unserved_reason)
+        return launch_fa1(q, k, v, p, tiles.block_m, tiles.block_n, tiles.num_warps)
+    if tiles.forward_schedule == 3:
+        reason = gluon_unserved(q, k, v, p, tiles.gluon_tile)
+        if not reason:
+            return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile, cu_seqlens_q, cu_seqlens_k)
+        if tiles.forced_schedule == configs.SCHEDULE_CODES["fa3"]:
+            # forced: the tensors' alignment, known only here, turned it away; no fallback to schedule 1
+            raise BackendUnavailableError(f"schedule 'fa3' of backend 'triton' cannot serve this call: {reason}")
     cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
     out, lse = _outputs(q, p, varlen)
     if (out.numel() == 0 and lse.numel() == 0) or p.batch == 0:
