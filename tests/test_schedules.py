@@ -65,8 +65,9 @@ def test_selection_by_use_backend_and_explain():
             text = flashtile.explain(q, k, v, causal=True)
         assert text.startswith(f"backend: 'triton', schedule {name!r} (forced)"), text
         assert f"schedule={name!r}" in text, text
-    with flashtile.use_backend("triton", schedule="fa1"):
-        assert "attention_fwd_fa1_kernel" in flashtile.explain(q, k, v)
+    with flashtile.use_backend("triton", schedule="fa1", block_n=32):
+        text = flashtile.explain(q, k, v)
+    assert "tiles: forward (attention_fwd_fa1_kernel" in text and "BLOCK_N 32" in text, text
     with flashtile.use_backend("triton"):
         text = flashtile.explain(q, k, v)
     assert text.startswith("backend: 'triton', schedule 'fa2' —") and "(forced)" not in text, text

@@ -309,7 +309,10 @@ class TritonTiles:
                           f"BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps, "
                           f"{self.num_stages} stages{registers}")
         forward = triton_forward
-        if self.forward_schedule == 3:
+        if self.forced_schedule == SCHEDULE_CODES["fa1"]:
+            forward = (f"forward (attention_fwd_fa1_kernel, key blocks outer, O / m / l through global memory) "
+                       f"BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps")
+        elif self.forward_schedule == 3:
             reason = gluon_unserved_reason(problem, self.gluon_tile)
             forward = (f"forward: the Gluon forward does not serve this call ({reason}), so {triton_forward}" if reason
                        else f"forward ({FORWARD_SCHEDULES[3]}): {self.gluon_tile.describe()}")
