@@ -11,8 +11,12 @@ times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's T
                                                       # each setting against the Triton forward, same call
     python benchmarks/gluon_forward.py reruns N       # N reruns of a few shapes: no NaN, no changed bit
     python benchmarks/gluon_forward.py reruns-packed N  # the same for a packed batch
-    python benchmarks/gluon_forward.py small          # small cases of every setting, for compute-sanitizer
+    python benchmarks/gluon_forward.py small [SETTINGS]  # small cases of every setting (or of SETTINGS), for
+                                                      # compute-sanitizer
     python benchmarks/gluon_forward.py compile-time   # the first call's wall time (with an empty Triton cache)
+    python benchmarks/gluon_forward.py profile CELL WHAT  # one grid cell (like d64n1024c1) called 4 times, for a
+                                                      # profiler: WHAT a setting, "table" (flashtile's choice) or
+                                                      # "cudnn"
 
 SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>[pp][n<keys>][e<n>][x1], grid 0 one CTA
 per tile, 1 persistent in snake order, 2 persistent with the launcher's deal, pp pingpong, n keys per block (default
@@ -377,31 +381,60 @@ def reruns_packed(count: int) -> bool:
 
 def compile_time() -> None:
     """Wall time of the first call (Gluon's front end, ptxas, module load) and of the second, for the table's
-    forward at d = 128 and d = 64, 4k keys, causal; run with an empty TRITON_CACHE_DIR."""
+    forward at d = 128 and d = 64: 4k keys causal (tiles dealt by the launcher), then 1k keys without a band (each
+    tile started under the last one's P V); run with an empty TRITON_CACHE_DIR."""
     import flashtile
 
-    for headdim in (128, 64):
-        q, k, v = _inputs(4, 4096, 4096, 2048 // headdim, 2048 // headdim, headdim, headdim, torch.bfloat16, seed=0)
-        times = []
-        with flashtile.use_backend("triton"):
-            kernel = flashtile.explain(q, k, v, causal=True)
-            for _ in range(2):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                flashtile.flash_attn_func(q, k, v, causal=True)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-        name = "attention_fwd_gluon_kernel" if "attention_fwd_gluon_kernel" in kernel else "another kernel"
-        print(f"d {headdim} 4k causal ({name}): first call {times[0]:.2f} s, second {times[1] * 1e3:.2f} ms",
-              flush=True)
+    for seqlen, causal in ((4096, True), (1024, False)):
+        for headdim in (128, 64):
+            q, k, v = _inputs(4, seqlen, seqlen, 2048 // headdim, 2048 // headdim, headdim, headdim, torch.bfloat16,
+                              seed=0)
+            times = []
+            with flashtile.use_backend("triton"):
+                kernel = flashtile.explain(q, k, v, causal=causal)
+                for _ in range(2):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    flashtile.flash_attn_func(q, k, v, causal=causal)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+            name = "attention_fwd_gluon_kernel" if "attention_fwd_gluon_kernel" in kernel else "another kernel"
+            across = ", across tiles" if "next tile's first block" in kernel else ""
+            print(f"d {headdim} {seqlen // 1024}k {'causal' if causal else 'non-causal'} ({name}{across}): first call "
+                  f"{times[0]:.2f} s, second {times[1] * 1e3:.2f} ms", flush=True)
 
 
-def small() -> bool:
+def profile(cell: str, what: str) -> None:
+    """One grid cell's call, four times (a profiler skips the first ones): `what` a Gluon setting (as the timing
+    rows name them), "table" (flashtile's own choice) or "cudnn" (SDPA's cuDNN backend)."""
+    import flashtile
+    from torch.nn.attention import SDPBackend
+
+    (headdim, seqlen, causal), = _cells(cell)
+    batch, heads = 16384 // seqlen, 2048 // headdim
+    q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    if what == "cudnn":
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        run = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(qt, kt, vt, causal)  # noqa: E731
+    elif what == "table":
+        def run():
+            with flashtile.use_backend("triton"):
+                return flashtile.flash_attn_func(q, k, v, causal=causal)
+    else:
+        tile, = _variants(what)
+        run = lambda: gluon(q, k, v, tile=tile, causal=causal)  # noqa: E731
+    for _ in range(4):
+        run()
+    torch.cuda.synchronize()
+    print(f"profile {cell} {what}: done", flush=True)
+
+
+def small(tiles=None) -> bool:
     """A few small cases in each setting of the Gluon forward (ragged ends, causal with masked rows, GQA, a window,
     ALiBi), each checked against the oracle: short enough for compute-sanitizer's memcheck and racecheck."""
-    tiles = [G(), G(overlap=False), G(pingpong=True), G(persistent=False),
-             G(consumers=3, overlap=False, persistent=False), G(consumers=3), G(balanced=True),
-             G(block_n=256, overlap=False), G(across_tiles=True)]
+    tiles = tiles or [G(), G(overlap=False), G(pingpong=True), G(persistent=False),
+                      G(consumers=3, overlap=False, persistent=False), G(consumers=3), G(balanced=True),
+                      G(block_n=256, overlap=False), G(across_tiles=True)]
     ok = True
     for t, tile in enumerate(tiles):
         # the last: 192 tiles of 70 keys each, more than the SMs, so that a CTA takes several
@@ -505,7 +538,9 @@ if __name__ == "__main__":
             G(balanced=True), G(balanced=True, overlap=False), G(consumers=3, balanced=True)]
         timing(_cells(sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "all" else ""), variants)
     if mode == "small":
-        sys.exit(0 if small() else 1)
+        sys.exit(0 if small(_variants(sys.argv[2]) if len(sys.argv) > 2 else None) else 1)
+    if mode == "profile":
+        profile(sys.argv[2], sys.argv[3])
     if mode == "reruns":
         sys.exit(0 if reruns(int(sys.argv[2])) else 1)
     if mode == "compile-time":

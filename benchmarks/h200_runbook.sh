@@ -21,7 +21,8 @@
 #                                             # first (ws_determinism.py --stress)
 #   bash benchmarks/h200_runbook.sh gluonstress  # the Gluon forward's first-call compile time; its GPU tests beside
 #                                             # reruns (four dense processes: d = 128 and d = 64, without and with a
-#                                             # causal band; one packed batch) and compute-sanitizer; racecheck controls
+#                                             # causal band; one packed batch) and compute-sanitizer; racecheck
+#                                             # controls (1-3 workers, a barrier, an mbarrier, a TMA copy)
 #   bash benchmarks/h200_runbook.sh gluonbwd  # the Gluon dK/dV kernel (backward schedule 4): its GPU tests, its
 #                                             # gradients against the oracle, backward times on the 12-cell grid
 #                                             # beside the table's backward, cuDNN and FA2, reruns
@@ -101,9 +102,9 @@ case $stage in
           > "$out/gluon-$tool.txt" 2>&1
       done ) &
     wait
-    for workers in 1 2 3; do
-      timeout 60 compute-sanitizer --tool racecheck python benchmarks/gluon_racecheck_control.py $workers \
-        > "$out/racecheck-control-$workers.txt" 2>&1
+    for control in 1 2 3 barrier mbarrier tma; do
+      timeout 60 compute-sanitizer --tool racecheck python benchmarks/gluon_racecheck_control.py $control \
+        > "$out/racecheck-control-$control.txt" 2>&1
     done
     tail -2 "$out/tests.txt"; grep -h "^FAILED\|^ERROR" "$out/tests.txt" | head; grep -h "stress\|differs\|reruns" \
       "$out"/stress*.txt; grep -h "SUMMARY\|FAILED" "$out"/gluon-*check.txt "$out"/racecheck-control-*.txt ;;
