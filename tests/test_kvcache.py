@@ -121,8 +121,8 @@ def test_low_precision_follows_the_eager_rule_and_splits_agree(backend, page_siz
         v_cache.copy_(before_v)
         with flashtile.use_backend(backend):
             results.append(flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                                             cache_seqlens=cache_seqlens, block_table=table, num_splits=num_splits, return_softmax_lse=True,
-                                                             **kwargs))
+                                                             cache_seqlens=cache_seqlens, block_table=table,
+                                                             num_splits=num_splits, return_softmax_lse=True, **kwargs))
     ref_out, ref_lse = expected(q, before_k, before_v, table, k_new, v_new, kwargs)
     eager_out, eager_lse = expected(q, before_k, before_v, table, k_new, v_new, kwargs, dtype=dtype)
     for out, lse in results:

@@ -181,8 +181,8 @@ def _check_window(window_size: object, causal: bool) -> tuple[int, int]:
     """(left, right) from a tuple or list of two ints, or a 2-element integer tensor (on any device).
 
     The values set the kernels' masks and constexprs, so they are read on the host: a tensor on a GPU costs one
-    synchronisation, and cannot be read while a CUDA graph is captured (then this raises; pass a tuple, or a
-    CPU tensor, which is read without synchronising)."""
+    synchronisation, and cannot be read while a CUDA graph is captured or torch.compile traces (then this raises;
+    pass a tuple, or a CPU tensor, which is read without synchronising)."""
     if isinstance(window_size, torch.Tensor):
         if window_size.dtype.is_floating_point or window_size.dtype.is_complex or window_size.dtype == torch.bool:
             raise TypeError(f"window_size as a tensor must have an integer dtype, got {window_size.dtype}")
@@ -460,8 +460,9 @@ class KVCacheCall:
     (contiguous caches; None = row b). cache_leftpad (batch,) int32 or None: where each sequence's cached
     tokens start (None = 0). After the append, sequence b attends to the keys at positions cache_leftpad[b]
     .. cache_seqlens[b] + seqlen_new - 1 of its row. q and the index tensors are contiguous where the kernels
-    need them to be (copies of strided arguments). layout holds what validation concluded from everything but tensor values; one layout
-    object serves every call with the same signature, so backends may key per-layout launch plans on it.
+    need them to be (copies of strided arguments). layout holds what validation concluded from everything but
+    tensor values; one layout object serves every call with the same signature, so backends may key per-layout
+    launch plans on it.
     """
 
     q: torch.Tensor
