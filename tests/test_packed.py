@@ -199,3 +199,17 @@ def test_bad_window_sizes_raise_in_every_entry_point(window, error, message):
     for call in calls:
         with pytest.raises(error, match=message):
             call()
+
+
+def test_packed_variants_compile_with_fullgraph(seed):
+    """torch.compile(fullgraph=True): the unbind and the attention op trace without a break; same out and gradient."""
+    qkv = torch.randn(2, 19, 3, 2, 16, device=DEVICE, requires_grad=True)
+
+    def call(x):
+        return flashtile.flash_attn_qkvpacked_func(x, causal=True, window_size=(4, 0))
+
+    with flashtile.use_backend("torch"):
+        want = call(qkv)
+        got = torch.compile(call, fullgraph=True, backend="aot_eager")(qkv)
+        assert torch.equal(want, got)
+        assert torch.equal(*(torch.autograd.grad(out.sum(), qkv)[0] for out in (want, got)))
