@@ -94,30 +94,8 @@ def test_float64_is_exact_with_one_gradient_for_the_packed_tensor(variant, causa
         assert_exact_to_oracle(f"gradient of the {tuple(t.shape)} input", g, w, seed)
 
 
-@pytest.mark.parametrize("dtype", (torch.float32,) + LOW_PRECISION, ids=("fp32", "fp16", "bf16"))
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_low_precision_follows_the_eager_rule(backend, variant, dtype, seed):
-    """Every backend: out, lse and the packed gradients within 2x the same-dtype eager error of the oracle."""
-    skip_unsupported(backend, dtype)
-    inputs, call, oracle = _packed_call(variant, dtype, causal=True)
-    with flashtile.use_backend(backend):
-        got = call()
-    want, eager = oracle(), oracle(dtype=dtype)
-    lse_dtype = torch.float32 if dtype == torch.float32 else dtype
-    assert got[0].dtype == dtype and got[1].dtype == torch.float32
-    for name, i, kind in (("out", 0, dtype), ("lse", 1, lse_dtype)):
-        assert_close_to_oracle(name, got[i], want[i], eager[i], kind, seed)
-    grad_out, grad_lse = torch.randn_like(want[0]), torch.randn_like(want[1])
-    grads = [attention_grads(*result, inputs, grad_out, grad_lse) for result in (got, want, eager)]
-    for t, g, w, e in zip(inputs, *grads):
-        assert g.dtype == dtype
-        assert_close_to_oracle(f"gradient of the {tuple(t.shape)} input", g, w, e, dtype, seed)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_the_backend_gets_views_of_the_packed_tensor(backend, variant, monkeypatch):
-    """No copy: what the backend's forward and backward receive as q, k, v are the packed tensor's own memory
-    (addresses and strides of its views); the Triton launcher passes those strides to the kernels."""
+def _spy_on_backend_inputs(monkeypatch) -> list:
+    """Record the q, k, v that the backend's forward and backward passes receive."""
     from flashtile import autograd
 
     seen = []
@@ -133,17 +111,38 @@ def test_the_backend_gets_views_of_the_packed_tensor(backend, variant, monkeypat
 
     monkeypatch.setattr(autograd, "_run_forward", forward)
     monkeypatch.setattr(autograd, "_run_backward", backward)
-    inputs, call, _ = _packed_call(variant, torch.float32, causal=True)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", (torch.float32,) + LOW_PRECISION, ids=("fp32", "fp16", "bf16"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_low_precision_follows_the_eager_rule_reading_views(backend, variant, dtype, monkeypatch, seed):
+    """Every backend: out, lse and the packed gradients within 2x the same-dtype eager error of the oracle. No copy:
+    what the backend's forward and backward receive as q, k, v are the packed tensor's own memory (the addresses
+    and strides of its views; the Triton launcher passes those strides to the kernels)."""
+    skip_unsupported(backend, dtype)
+    seen = _spy_on_backend_inputs(monkeypatch)
+    inputs, call, oracle = _packed_call(variant, dtype, causal=True)
     with flashtile.use_backend(backend):
-        out, _ = call()
-        out.sum().backward()
-    # the views of the packed tensor (dimension -3 holds q, k, v or k, v)
+        got = call()
+    want, eager = oracle(), oracle(dtype=dtype)
+    lse_dtype = torch.float32 if dtype == torch.float32 else dtype
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    for name, i, kind in (("out", 0, dtype), ("lse", 1, lse_dtype)):
+        assert_close_to_oracle(name, got[i], want[i], eager[i], kind, seed)
+    grad_out, grad_lse = torch.randn_like(want[0]), torch.randn_like(want[1])
+    grads = [attention_grads(*result, inputs, grad_out, grad_lse) for result in (got, want, eager)]
+    for t, g, w, e in zip(inputs, *grads):
+        assert g.dtype == dtype
+        assert_close_to_oracle(f"gradient of the {tuple(t.shape)} input", g, w, e, dtype, seed)
+
+    # the views of the packed tensor (its dimension -3 holds q, k, v or k, v)
     expected = list(inputs[0].unbind(-3)) if len(inputs) == 1 else [inputs[0], *inputs[1].unbind(-3)]
     assert [name for name, *_ in seen] == ["forward", "backward"]
-    for name, *got in seen:
-        for which, g, want in zip("qkv", got, expected):
-            g = g.squeeze(0) if g.dim() == want.dim() + 1 else g  # packed sequences travel as (1, total, ...)
-            assert (g.data_ptr(), g.stride()) == (want.data_ptr(), want.stride()), f"{name} got a copy of {which}"
+    for name, *received in seen:
+        for which, r, view in zip("qkv", received, expected):
+            r = r.squeeze(0) if r.dim() == view.dim() + 1 else r  # packed sequences travel as (1, total, ...)
+            assert (r.data_ptr(), r.stride()) == (view.data_ptr(), view.stride()), f"{name} got a copy of {which}"
 
 
 def test_packed_shapes_are_checked():
