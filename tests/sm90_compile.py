@@ -142,7 +142,8 @@ def main():
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key not in ("HEADDIM_V", "SCALE_IN_EXP2")}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
-                       "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32", "Part": "*fp32"}
+                       "CacheBatchIdx": "*i32", "CacheLeftpad": "*i32", "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32",
+                       "Part": "*fp32"}
         # paged bf16 with both page tiles (16-key blocks for pages of 16, 64-key blocks for pages of 256)
         for large_pages in (False, True) if paged and headdim == 128 else (False,):
             page_size = (256 if large_pages else 16) if paged else None
@@ -153,7 +154,7 @@ def main():
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
                      PAGE_CHUNK=page_chunk(decode_tile.block_n, page_size),
-                     SPLIT=split, STORE_LSE=not split),
+                     SPLIT=split, STORE_LSE=not split, HAS_BATCH_IDX=False, HAS_LEFTPAD=False),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
                                    dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True),

@@ -433,7 +433,7 @@ def test_kvcache_decode_realistic(page_size, num_splits, seed):
     k_new = torch.randn(batch, 1, 8, 128, device=DEVICE, dtype=dtype)
     v_new = torch.randn(batch, 1, 8, 128, device=DEVICE, dtype=dtype)
     with flashtile.use_backend("triton"):
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths, table,
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table,
                                                      causal=True, num_splits=num_splits, return_softmax_lse=True)
     for b in range(batch):
         n = int(lengths[b])
@@ -455,10 +455,10 @@ def test_kvcache_decode_step_can_be_captured_in_a_cuda_graph():
     k_new = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=dtype)
     v_new = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=dtype)
     with flashtile.use_backend("triton"):
-        expected = flashtile.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, lengths)
+        expected = flashtile.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, cache_seqlens=lengths)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths)
+            captured = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, expected)
@@ -481,13 +481,13 @@ def test_kvcache_decode_step_never_synchronises_by_default(page_size):
     q = torch.randn(batch, 1, 32, 128, device=DEVICE, dtype=dtype)
     k_new, v_new = (torch.randn(batch, 1, 8, 128, device=DEVICE, dtype=dtype) for _ in range(2))
     with flashtile.use_backend("triton"):
-        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths, table)  # compiles
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table)  # compiles
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths, table)
+            flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table)
             with pytest.raises(RuntimeError, match="synchroniz"):
-                flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lengths, table,
+                flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table,
                                                   check_values=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")

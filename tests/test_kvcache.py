@@ -120,9 +120,9 @@ def test_low_precision_follows_the_eager_rule_and_splits_agree(backend, page_siz
         k_cache.copy_(before_k)
         v_cache.copy_(before_v)
         with flashtile.use_backend(backend):
-            results.append(flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
-                                                             table, num_splits=num_splits, return_softmax_lse=True,
-                                                             **kwargs))
+            results.append(flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                             cache_seqlens=cache_seqlens, block_table=table,
+                                                             num_splits=num_splits, return_softmax_lse=True, **kwargs))
     ref_out, ref_lse = expected(q, before_k, before_v, table, k_new, v_new, kwargs)
     eager_out, eager_lse = expected(q, before_k, before_v, table, k_new, v_new, kwargs, dtype=dtype)
     for out, lse in results:
@@ -493,3 +493,156 @@ def test_default_decode_tile_per_cache_layout():
     assert launch.default_decode_tile(96, split=True) is launch.DECODE_TILE_SMALL_PAGES
     for page_size in range(16, 1025, 16):
         assert page_size % launch.default_decode_tile(page_size, split=True).block_n == 0
+
+
+# cache_batch_idx and cache_leftpad (contiguous caches): sequence b lives in row ROWS[b] of a 5-row cache, its cached
+# tokens at positions LEFTPAD[b] .. CACHED[b] - 1
+ROWS, LEFTPAD, CACHE_ROWS = [4, 0, 2], [3, 0, 7], 5
+
+
+def indexed_cache(dtype, capacity=64):
+    keys = torch.randn(CACHE_ROWS, capacity, NHEADS_K, HEADDIM, dtype=torch.float64, device=DEVICE).to(dtype)
+    values = torch.randn(CACHE_ROWS, capacity, NHEADS_K, HEADDIM_V, dtype=torch.float64, device=DEVICE).to(dtype)
+    return keys, values
+
+
+def indexed_expected(q, k_cache, v_cache, k_new, v_new, rows, starts, kwargs, dtype=torch.float64):
+    """Per-sequence oracle: row rows[b], positions starts[b] .. CACHED[b] - 1, then the new tokens."""
+    outs, lses = [], []
+    for b, cached in enumerate(CACHED):
+        keys, values = k_cache[rows[b], starts[b]:cached], v_cache[rows[b], starts[b]:cached]
+        if k_new is not None:
+            keys, values = torch.cat([keys, k_new[b]]), torch.cat([values, v_new[b]])
+        slopes = kwargs.get("alibi_slopes")
+        out, lse = flash_attn_reference(q[b:b + 1], keys[None], values[None], dtype=dtype,
+                                        **dict(kwargs, alibi_slopes=None if slopes is None else slopes[b:b + 1]))
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("index", ("rows", "leftpad", "both"))
+@pytest.mark.parametrize("backend, dtype", [("torch", torch.float64), ("torch", torch.float16),
+                                            ("triton", torch.float32), ("triton", torch.float16)],
+                         ids=("torch-fp64", "torch-fp16", "triton-fp32", "triton-fp16"))
+def test_cache_batch_idx_and_leftpad_append_and_attend_like_flash_attn(backend, dtype, index, seed):
+    """Appends go to row cache_batch_idx[b] at cache_seqlens[b] onwards; attention sees positions cache_leftpad[b] ..
+    end of that row (GQA, ragged lengths, an empty cache, causal with ALiBi and a split, a window unsplit)."""
+    k_cache, v_cache = indexed_cache(dtype)
+    if index == "leftpad":  # one row per sequence
+        k_cache, v_cache = k_cache[:BATCH], v_cache[:BATCH]
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    rows = ROWS if index != "leftpad" else [0, 1, 2]
+    starts = LEFTPAD if index != "rows" else [0, 0, 0]
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    extra = dict(cache_batch_idx=as_tensor(rows) if index != "leftpad" else None,
+                 cache_leftpad=as_tensor(starts) if index != "rows" else None)
+    q = torch.randn(BATCH, 3, NHEADS, HEADDIM, device=DEVICE).to(dtype)
+    k_new = torch.randn(BATCH, 3, NHEADS_K, HEADDIM, device=DEVICE).to(dtype)
+    v_new = torch.randn(BATCH, 3, NHEADS_K, HEADDIM_V, device=DEVICE).to(dtype)
+    for kwargs, num_splits in (({"causal": True, "alibi_slopes": torch.rand(BATCH, NHEADS, device=DEVICE)}, 3),
+                               ({"window_size": (6, 0), "softcap": 4.0}, 1)):
+        k_cache.copy_(before_k)
+        v_cache.copy_(before_v)
+        with flashtile.use_backend(backend):
+            out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=as_tensor(
+                CACHED), num_splits=num_splits, return_softmax_lse=True, **extra, **kwargs)
+        ref_out, ref_lse = indexed_expected(q, before_k, before_v, k_new, v_new, rows, starts, kwargs)
+        if dtype == torch.float64:
+            assert_exact_to_oracle("out", out, ref_out, seed)
+            assert_exact_to_oracle("lse", lse, ref_lse, seed, tol=1e-5)
+        else:
+            eager_out, eager_lse = indexed_expected(q, before_k, before_v, k_new, v_new, rows, starts, kwargs, dtype)
+            assert_close_to_oracle("out", out, ref_out, eager_out, dtype, seed)
+            assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.float32 if dtype == torch.float32 else dtype,
+                                   seed)
+        want_k, want_v = before_k.clone(), before_v.clone()
+        for b, cached in enumerate(CACHED):
+            want_k[rows[b], cached:cached + 3] = k_new[b]
+            want_v[rows[b], cached:cached + 3] = v_new[b]
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), "the append wrote other positions"
+
+
+def test_positional_calls_mean_what_they_mean_in_flash_attn(backend, seed):
+    """flash-attn's order: q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+    num_splits, return_softmax_lse. Several sequences may read one row when nothing is appended."""
+    k_cache, v_cache = indexed_cache(torch.float32)
+    q = torch.randn(BATCH, 2, NHEADS, HEADDIM, device=DEVICE)
+    lengths = torch.tensor(CACHED, dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([2, 2, 0], dtype=torch.int32, device=DEVICE)
+    pad = torch.tensor([1, 0, 7], dtype=torch.int32, device=DEVICE)
+    with flashtile.use_backend(backend):
+        positional = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, None, None, None, None, lengths, rows, pad,
+                                                       None, 0.3, True, (5, 0), 0.0, True, None, 2, True)
+        keyword = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
+                                                    cache_leftpad=pad, softmax_scale=0.3, causal=True,
+                                                    window_size=(5, 0), num_splits=2, return_softmax_lse=True)
+    assert torch.equal(positional[0], keyword[0]) and torch.equal(positional[1], keyword[1])
+    ref, _ = indexed_expected(q, k_cache, v_cache, None, None, rows.tolist(), pad.tolist(),
+                              dict(softmax_scale=0.3, causal=True, window_size=(5, 0)))
+    torch.testing.assert_close(positional[0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def _indexed_call(**changes):
+    k_cache, v_cache = indexed_cache(torch.float32)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    args = dict(q=torch.randn(BATCH, 1, NHEADS, HEADDIM, device=DEVICE), k_cache=k_cache, v_cache=v_cache,
+                k=torch.randn(BATCH, 2, NHEADS_K, HEADDIM, device=DEVICE),
+                v=torch.randn(BATCH, 2, NHEADS_K, HEADDIM_V, device=DEVICE), cache_seqlens=as_tensor(CACHED),
+                cache_batch_idx=as_tensor(ROWS), cache_leftpad=as_tensor(LEFTPAD))
+    for key, change in changes.items():
+        args[key] = change(args)
+    return args
+
+
+def _int32(*values):
+    return lambda a: torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+BAD_INDICES = {
+    "row past the cache": (dict(cache_batch_idx=_int32(4, 0, 5)), ValueError,
+                           r"cache_batch_idx\[2\] = 5 is not a row of the cache \(0 \.\. 4\); nothing was written"),
+    "negative row": (dict(cache_batch_idx=_int32(-1, 0, 2)), ValueError, r"cache_batch_idx\[0\] = -1 is not a row"),
+    "a row twice while appending": (dict(cache_batch_idx=_int32(3, 1, 3)), ValueError,
+                                    r"names cache row 3 more than once; appending k and v needs distinct rows"),
+    "leftpad past cache_seqlens": (dict(cache_leftpad=_int32(6, 0, 7)), ValueError,
+                                   r"cache_leftpad\[0\] = 6 must be within 0 \.\. cache_seqlens\[0\] = 5"),
+    "negative leftpad": (dict(cache_leftpad=_int32(0, -2, 7)), ValueError, r"cache_leftpad\[1\] = -2 must be within"),
+    "leftpad past an int cache_seqlens": (dict(cache_seqlens=lambda a: 4), ValueError,
+                                          r"cache_leftpad\[2\] = 7 must be within 0 \.\. cache_seqlens\[2\] = 4"),
+    "int64 rows": (dict(cache_batch_idx=lambda a: a["cache_batch_idx"].long()), TypeError,
+                   r"cache_batch_idx must be an int32 tensor, got torch\.int64"),
+    "float leftpad": (dict(cache_leftpad=lambda a: a["cache_leftpad"].float()), TypeError,
+                      r"cache_leftpad must be an int32 tensor"),
+    "rows of another shape": (dict(cache_batch_idx=_int32(4, 0)), ValueError,
+                              r"cache_batch_idx must have shape \(batch,\) = \(3,\), got \(2,\)"),
+    "rows not a tensor": (dict(cache_batch_idx=lambda a: [4, 0, 2]), TypeError,
+                          r"cache_batch_idx must be a torch\.Tensor"),
+    "leftpad without cache_seqlens": (dict(cache_seqlens=lambda a: None, k=lambda a: None, v=lambda a: None),
+                                      ValueError, r"cache_leftpad needs cache_seqlens"),
+    "a batch of other rows without cache_batch_idx": (dict(cache_batch_idx=lambda a: None), ValueError,
+                                                      r"k_cache has batch 5 but q has 3.*pass cache_batch_idx"),
+    "with a paged cache": (dict(block_table=lambda a: torch.zeros(BATCH, 4, dtype=torch.int32, device=DEVICE),
+                                k_cache=lambda a: a["k_cache"][:, :16], v_cache=lambda a: a["v_cache"][:, :16]),
+                           ValueError, r"cache_batch_idx cannot be combined with block_table"),
+    "rotary tables": (dict(rotary_cos=lambda a: torch.ones(64, 8, device=DEVICE),
+                           rotary_sin=lambda a: torch.zeros(64, 8, device=DEVICE)), NotImplementedError,
+                      r"rotary_cos / rotary_sin: flashtile does not apply rotary embeddings"),
+    "rotary_interleaved not a bool": (dict(rotary_interleaved=lambda a: 1), TypeError,
+                                      r"rotary_interleaved must be a bool"),
+}
+
+
+@pytest.mark.parametrize("check_values", (True, None), ids=("checked", "default"))
+@pytest.mark.parametrize("changes, error, message", BAD_INDICES.values(), ids=BAD_INDICES.keys())
+def test_bad_cache_indices_raise_and_leave_the_cache_unchanged(changes, error, message, check_values):
+    """check_values=True, and the default (free on the CPU; on a GPU the value rules then are the caller's)."""
+    args = _indexed_call(**changes)
+    if check_values is None and DEVICE.type != "cpu" and error is ValueError and "=" in message:
+        pytest.skip("a GPU checks the values only with check_values=True")
+    before = {key: args[key].clone() for key in ("k_cache", "v_cache")}
+    with pytest.raises(error, match=message):
+        flashtile.flash_attn_with_kvcache(**args, check_values=check_values)
+    for key, value in before.items():
+        assert torch.equal(args[key], value), f"{key} changed although the call raised"

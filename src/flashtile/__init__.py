@@ -4,6 +4,9 @@ Public API:
     flash_attn_func                flash-attn's signature and layout, bottom-right causal alignment
     flash_attn_varlen_func         the same over packed variable-length sequences (cu_seqlens)
     flash_attn_with_kvcache        decoding against a contiguous or paged KV cache, appending in place
+    flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+    flash_attn_varlen_kvpacked_func
+                                   flash-attn's packed variants (q, k, v or k, v in one tensor, read as views)
     scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                        what a call would run (backend, kernel, tiles) and why
     use_backend                    context manager choosing the backend ("auto", "torch", "triton") and schedule
@@ -17,6 +20,8 @@ from ._schedules import Schedule, schedules
 from .errors import BackendUnavailableError, KernelCompileError
 from .interface import (Explanation, explain, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                         scaled_dot_product_attention)
+from .packed import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
+                     flash_attn_varlen_qkvpacked_func)
 
 __version__ = "0.1.0"
 
@@ -26,7 +31,11 @@ __all__ = [
     "KernelCompileError",
     "explain",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "reference",
     "Schedule",

@@ -163,16 +163,42 @@ def _check_scale(scale: object, name: str, headdim: int) -> float:
     return _require_real(name, scale)
 
 
+def _window_side(side: str, value: object) -> int:
+    """One side of window_size as an int: a Python int or an integer 0-d tensor (what indexing a tensor gives)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"window_size {side} must be an int, got a tensor of shape {tuple(value.shape)} and "
+                            f"dtype {value.dtype}")
+        value = int(value.item())
+    elif type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise TypeError(f"window_size {side} must be an int, got {value!r} ({type(value).__name__})")
+    if value < -1:
+        raise ValueError(f"window_size {side} is {value}; it must be -1 (unbounded) or >= 0")
+    return int(value)
+
+
 def _check_window(window_size: object, causal: bool) -> tuple[int, int]:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    """(left, right) from a tuple or list of two ints, or a 2-element integer tensor (on any device).
+
+    The values set the kernels' masks and constexprs, so they are read on the host: a tensor on a GPU costs one
+    synchronisation, and cannot be read while a CUDA graph is captured or torch.compile traces (then this raises;
+    pass a tuple, or a CPU tensor, which is read without synchronising)."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.dtype.is_floating_point or window_size.dtype.is_complex or window_size.dtype == torch.bool:
+            raise TypeError(f"window_size as a tensor must have an integer dtype, got {window_size.dtype}")
+        if window_size.shape != (2,):
+            raise ValueError(f"window_size as a tensor must have shape (2,) (left, right), got "
+                             f"{tuple(window_size.shape)}")
+        if window_size.device.type != "cpu" and _capturing(window_size.device):
+            raise ValueError(f"window_size is a tensor on {window_size.device}, whose values cannot be read while a "
+                             f"CUDA graph is captured or torch.compile traces; pass a (left, right) tuple of ints")
+        window_size = tuple(window_size.tolist())
+    elif not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints (a tuple, a list or a 2-element integer "
+                        f"tensor), got {window_size!r}")
     left, right = window_size
-    for side, value in (("left", left), ("right", right)):
-        if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            raise TypeError(f"window_size {side} must be an int, got {value!r} ({type(value).__name__})")
-        if value < -1:
-            raise ValueError(f"window_size {side} is {value}; it must be -1 (unbounded) or >= 0")
-    left, right = int(left), int(right)
+    if type(left) is not int or type(right) is not int or left < -1 or right < -1:
+        left, right = _window_side("left", left), _window_side("right", right)
     if causal:
         right = 0  # causal means no key to the right of the diagonal
     return left, right
@@ -427,13 +453,16 @@ def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
 class KVCacheCall:
     """A validated `flash_attn_with_kvcache` call.
 
-    k_cache / v_cache are (batch, capacity, nheads_k, dim) when contiguous, or (num_blocks, page_size,
+    k_cache / v_cache are (batch_cache, capacity, nheads_k, dim) when contiguous, or (num_blocks, page_size,
     nheads_k, dim) with block_table (batch, max_blocks) int32 when paged; k_new / v_new (batch,
-    seqlen_new, nheads_k, dim) or None; cache_seqlens (batch,) int32 on q's device: tokens already in
-    each sequence's cache. After the append, sequence b attends to cache_seqlens[b] + seqlen_new keys.
-    q, cache_seqlens and block_table are contiguous where the kernels need them to be (copies of strided
-    arguments). layout holds what validation concluded from everything but tensor values; one layout
-    object serves every call with the same signature, so backends may key per-layout launch plans on it.
+    seqlen_new, nheads_k, dim) or None; cache_seqlens (batch,) int32 on q's device: the end of each
+    sequence's cached tokens. cache_batch_idx (batch,) int32 or None: the cache row of each sequence
+    (contiguous caches; None = row b). cache_leftpad (batch,) int32 or None: where each sequence's cached
+    tokens start (None = 0). After the append, sequence b attends to the keys at positions cache_leftpad[b]
+    .. cache_seqlens[b] + seqlen_new - 1 of its row. q and the index tensors are contiguous where the kernels
+    need them to be (copies of strided arguments). layout holds what validation concluded from everything but
+    tensor values; one layout object serves every call with the same signature, so backends may key per-layout
+    launch plans on it.
     """
 
     q: torch.Tensor
@@ -445,6 +474,8 @@ class KVCacheCall:
     block_table: torch.Tensor | None
     alibi_slopes: torch.Tensor | None  # (batch or 1, nheads)
     layout: "_KVCacheLayout"
+    cache_batch_idx: torch.Tensor | None = None
+    cache_leftpad: torch.Tensor | None = None
 
     @property
     def problem(self) -> AttentionProblem:
@@ -462,6 +493,35 @@ class KVCacheCall:
     def capacity(self) -> int:
         """Keys each sequence's cache can hold."""
         return self.layout.capacity
+
+
+def _check_index_values(cache_seqlens: torch.Tensor, cache_batch_idx: torch.Tensor | None,
+                        cache_leftpad: torch.Tensor | None, batch_cache: int, appending: bool) -> None:
+    """The rules on the values of cache_batch_idx (a row of the cache; distinct rows when appending) and
+    cache_leftpad (0 <= cache_leftpad[b] <= cache_seqlens[b]); one synchronisation on a GPU."""
+    checks = []
+    if cache_batch_idx is not None:
+        checks.append((cache_batch_idx < 0) | (cache_batch_idx >= batch_cache))
+    if cache_leftpad is not None:
+        checks.append((cache_leftpad < 0) | (cache_leftpad > cache_seqlens))
+    duplicate = appending and cache_batch_idx is not None and cache_batch_idx.numel() > 1
+    flags = torch.stack([c.any() for c in checks]).tolist()
+    if cache_batch_idx is not None and flags[0]:
+        b = int(checks[0].nonzero()[0, 0])
+        raise ValueError(f"cache_batch_idx[{b}] = {int(cache_batch_idx[b])} is not a row of the cache "
+                         f"(0 .. {batch_cache - 1}); nothing was written")
+    if cache_leftpad is not None and flags[-1]:
+        b = int(checks[-1].nonzero()[0, 0])
+        raise ValueError(f"cache_leftpad[{b}] = {int(cache_leftpad[b])} must be within 0 .. cache_seqlens[{b}] = "
+                         f"{int(cache_seqlens[b])} (the cached tokens are positions cache_leftpad .. cache_seqlens - 1)"
+                         f"; nothing was written")
+    if duplicate:
+        rows = torch.sort(cache_batch_idx).values
+        repeated = rows[1:] == rows[:-1]
+        if bool(repeated.any()):
+            row = int(rows[1:][repeated][0])
+            raise ValueError(f"cache_batch_idx names cache row {row} more than once; appending k and v needs distinct "
+                             f"rows (which sequence's tokens would the row keep?); nothing was written")
 
 
 def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, seqlen_new: int,
@@ -520,8 +580,9 @@ class _KVCacheLayout:
     return_lse: bool  # return_softmax_lse
     host_length: int | None  # every sequence's cached length, when cache_seqlens is an int or None
     check_values: bool  # run the rules that read cache_seqlens / block_table (unless capturing)
-    index_copy: bool  # cache_seqlens or block_table is strided: the kernels, which index them as contiguous
-    # arrays, get contiguous copies
+    index_copy: bool  # cache_seqlens, block_table, cache_batch_idx or cache_leftpad is strided: the kernels, which
+    # index them as contiguous arrays, get contiguous copies
+    batch_cache: int  # rows of a contiguous cache (cache_batch_idx picks among them), else the batch
     slopes_row: bool  # alibi_slopes came as (nheads,): used as (1, nheads)
     # the backend and tiles chosen for this layout's problem, per backend request (_dispatch.resolve's memo)
     resolutions: dict = field(default_factory=dict)
@@ -557,7 +618,8 @@ def _kvcache_signature(tensors: tuple, values: tuple) -> tuple | None:
 
 
 def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
-                    softcap, alibi_slopes, num_splits, return_softmax_lse, check_values=None) -> KVCacheCall:
+                    softcap, alibi_slopes, num_splits, return_softmax_lse, check_values=None, cache_batch_idx=None,
+                    cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True) -> KVCacheCall:
     """Validate `flash_attn_with_kvcache` arguments before anything is written.
 
     The capacity and block-table rules need the values of cache_seqlens and block_table. They are
@@ -567,11 +629,19 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     or torch.compile traces.
 
     The other rules read only dtypes, devices, shapes, strides and plain values; their conclusion is
-    kept per signature of those (_kvcache_signature), so a repeated layout is not checked again."""
+    kept per signature of those (_kvcache_signature), so a repeated layout is not checked again.
+    Rotary embeddings are not implemented: rotary_cos / rotary_sin other than None raise NotImplementedError."""
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError(
+            "rotary_cos / rotary_sin: flashtile does not apply rotary embeddings inside flash_attn_with_kvcache; "
+            "rotate q and the new k before the call (positions cache_seqlens .. cache_seqlens + seqlen_new - 1) and "
+            "pass rotary_cos=None, rotary_sin=None")
+    _require_bool("rotary_interleaved", rotary_interleaved)
     window = window_size if type(window_size) is tuple and len(window_size) == 2 else (window_size, None)
     tensor_seqlens = type(cache_seqlens) is torch.Tensor
     signature = _kvcache_signature(
-        (q, k_cache, v_cache, k, v, block_table, alibi_slopes, cache_seqlens if tensor_seqlens else None),
+        (q, k_cache, v_cache, k, v, block_table, alibi_slopes, cache_seqlens if tensor_seqlens else None,
+         cache_batch_idx, cache_leftpad),
         (None if tensor_seqlens else cache_seqlens, softmax_scale, causal, *window, softcap, num_splits,
          return_softmax_lse, check_values))
     layout = _KVCACHE_LAYOUTS.get(signature) if signature is not None else None
@@ -579,7 +649,8 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
         layout = _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
                                  causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                  num_splits=num_splits, return_softmax_lse=return_softmax_lse,
-                                 check_values=check_values)
+                                 check_values=check_values, cache_batch_idx=cache_batch_idx,
+                                 cache_leftpad=cache_leftpad)
         if signature is not None:
             if len(_KVCACHE_LAYOUTS) >= MAX_KVCACHE_LAYOUTS:
                 _KVCACHE_LAYOUTS.clear()
@@ -589,17 +660,21 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     if layout.check_values and not _capturing(q.device):
         _check_cache_values(cache_seqlens, block_table, layout.seqlen_new, layout.capacity, layout.num_blocks,
                             layout.page_size, lengths_checked=layout.host_length is not None)
+        if cache_batch_idx is not None or cache_leftpad is not None:
+            _check_index_values(cache_seqlens, cache_batch_idx, cache_leftpad, layout.batch_cache,
+                                appending=layout.seqlen_new > 0)
     if layout.index_copy:
-        cache_seqlens = cache_seqlens.contiguous()
-        block_table = None if block_table is None else block_table.contiguous()
+        cache_seqlens, block_table, cache_batch_idx, cache_leftpad = (
+            None if t is None else t.contiguous() for t in (cache_seqlens, block_table, cache_batch_idx, cache_leftpad))
     return KVCacheCall(q=unit_last_stride(q), k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
                        cache_seqlens=cache_seqlens, block_table=block_table,
                        alibi_slopes=alibi_slopes.unsqueeze(0) if layout.slopes_row else alibi_slopes,
-                       layout=layout)
+                       layout=layout, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
 
 
 def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
-                    softcap, alibi_slopes, num_splits, return_softmax_lse, check_values) -> _KVCacheLayout:
+                    softcap, alibi_slopes, num_splits, return_softmax_lse, check_values, cache_batch_idx,
+                    cache_leftpad) -> _KVCacheLayout:
     """prepare_kvcache's rules that need no tensor values (raising TypeError / ValueError)."""
     _require_tensor("q", q)
     if q.dim() != 4:
@@ -639,10 +714,24 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
                              f"positive multiple of 16, got {page_size}")
         capacity, num_blocks = block_table.shape[1] * page_size, k_cache.shape[0]
     else:
-        if k_cache.shape[0] != batch:
+        if k_cache.shape[0] != batch and cache_batch_idx is None:
             raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch}; a contiguous cache is "
-                             f"(batch, seqlen_cache, nheads_k, headdim) (pass block_table for a paged cache)")
+                             f"(batch, seqlen_cache, nheads_k, headdim) (pass cache_batch_idx to use other rows, "
+                             f"block_table for a paged cache)")
         page_size, capacity, num_blocks = None, k_cache.shape[1], 0
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is None:
+            continue
+        _require_tensor(name, t)
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor, got {t.dtype}")
+        if tuple(t.shape) != (batch,):
+            raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if block_table is not None:
+            raise ValueError(f"{name} cannot be combined with block_table (as in flash-attn): a paged cache "
+                             f"already maps each sequence to its own blocks")
 
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens to append) or both be None")
@@ -677,6 +766,9 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
     if host_length is not None:
         # the length rules need no device work; the block table (if any) is checked for the pages in use
+        if cache_seqlens is None and cache_leftpad is not None:
+            raise ValueError("cache_leftpad needs cache_seqlens (the cached tokens are positions cache_leftpad .. "
+                             "cache_seqlens - 1)")
         if host_length < 0 or host_length + seqlen_new > capacity:
             raise ValueError(f"cache_seqlens is {host_length}; with {seqlen_new} new tokens it must stay within "
                              f"0 .. {capacity} (the cache capacity); nothing was written")
@@ -698,10 +790,12 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
         headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
         window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap, has_alibi=slopes is not None,
         mask_kind=None, kvcache=True)
-    strided_index = any(isinstance(t, torch.Tensor) and not t.is_contiguous() for t in (cache_seqlens, block_table))
+    indices = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
+    strided_index = any(isinstance(t, torch.Tensor) and not t.is_contiguous() for t in indices)
+    index_values = cache_batch_idx is not None or cache_leftpad is not None
     return _KVCacheLayout(problem=problem, num_splits=int(num_splits), capacity=capacity, num_blocks=num_blocks,
                           page_size=page_size,
                           seqlen_new=seqlen_new, return_lse=return_softmax_lse, host_length=host_length,
-                          check_values=wanted and (host_length is None or block_table is not None),
-                          index_copy=strided_index,
+                          check_values=wanted and (host_length is None or block_table is not None or index_values),
+                          index_copy=strided_index, batch_cache=batch if block_table is not None else k_cache.shape[0],
                           slopes_row=slopes is not None and slopes is not alibi_slopes)

@@ -49,7 +49,10 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         dropout_p: must be 0.0 (dropout is not implemented; > 0 raises NotImplementedError).
         softmax_scale: multiplier of q.k; None means 1 / sqrt(headdim).
         causal: mask keys after the query's diagonal, bottom-right aligned (see the module docstring).
-        window_size: (left, right) sliding window around the diagonal; -1 = unbounded.
+        window_size: (left, right) sliding window around the diagonal; -1 = unbounded. A tuple or list of
+            two ints, or a 2-element integer tensor; the values are read on the host, so a tensor on a GPU
+            costs a synchronisation and is refused (ValueError) while a CUDA graph is captured or
+            torch.compile traces: pass a tuple there.
         softcap: if > 0, scores become softcap * tanh(score / softcap) before masking and ALiBi.
         alibi_slopes: (nheads,) or (batch, nheads) floating tensor; subtracts
             slope * |i + seqlen_k - seqlen_q - j| from each score (after softcap). Not differentiated.
@@ -122,31 +125,45 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
-                            v: Tensor | None = None, cache_seqlens: int | Tensor | None = None,
+                            v: Tensor | None = None, rotary_cos: Tensor | None = None,
+                            rotary_sin: Tensor | None = None, cache_seqlens: int | Tensor | None = None,
+                            cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
                             block_table: Tensor | None = None, softmax_scale: float | None = None,
                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            alibi_slopes: Tensor | None = None, num_splits: int = 0,
-                            return_softmax_lse: bool = False, *,
+                            rotary_interleaved: bool = True, alibi_slopes: Tensor | None = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False, *,
                             check_values: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """Decoding and chunked prefill against a KV cache, with flash-attn's signature (forward only).
+    """Decoding and chunked prefill against a KV cache, with flash-attn's signature and argument order
+    (forward only), so positional calls written for flash-attn mean the same here.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), seqlen_q >= 1: the newest tokens of each sequence
             (one for decoding; several for speculative decoding or chunked prefill).
-        k_cache, v_cache: contiguous (batch, capacity, nheads_k, headdim[_v]), or paged
-            (num_blocks, page_size, nheads_k, headdim[_v]) with block_table; page_size a multiple of 16.
-            Same dtype and device as q; written in place when k and v are given.
+        k_cache, v_cache: contiguous (batch_cache, capacity, nheads_k, headdim[_v]) (batch_cache = batch
+            unless cache_batch_idx picks the rows), or paged (num_blocks, page_size, nheads_k, headdim[_v])
+            with block_table; page_size a multiple of 16. Same dtype and device as q; written in place when
+            k and v are given.
         k, v: optional (batch, seqlen_new, nheads_k, headdim[_v]) new tokens, written into the cache at
             positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (through block_table when paged)
             before attention runs.
-        cache_seqlens: int or int32 (batch,): tokens already in each sequence's cache; None means every
-            cache is full (capacity tokens) and then k, v must be None. An int (or None) becomes a device
-            tensor at every call; a decode loop that keeps a tensor avoids that allocation.
+        rotary_cos, rotary_sin: must be None: rotary embeddings are not applied here (NotImplementedError
+            otherwise; rotate q and the new k before the call). rotary_interleaved (a bool) is then unused.
+        cache_seqlens: int or int32 (batch,): where each sequence's cached tokens end (without
+            cache_leftpad: how many there are); None means every cache is full (capacity tokens) and then
+            k, v must be None. An int (or None) becomes a device tensor at every call; a decode loop that
+            keeps a tensor avoids that allocation.
+        cache_batch_idx: int32 (batch,) or None: sequence b uses row cache_batch_idx[b] of a contiguous
+            cache (None: row b), for appending and attending; rows must be distinct when k and v are given.
+        cache_leftpad: int32 (batch,) or None: sequence b's cached tokens start at position cache_leftpad[b]
+            of its row (None: 0). Its keys are then positions cache_leftpad[b] .. cache_seqlens[b] + seqlen_new
+            - 1, the new tokens still written from cache_seqlens[b]; 0 <= cache_leftpad[b] <= cache_seqlens[b].
+            The padding is invisible: causal masks, windows and ALiBi count from the sequence's last key.
+            cache_batch_idx and cache_leftpad take contiguous caches only (as in flash-attn).
         block_table: int32 (batch, max_blocks): sequence b's page i is block block_table[b, i] of the cache;
             capacity = max_blocks * page_size.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as in `flash_attn_func`, with sequence
-            b's keys being its cache_seqlens[b] + seqlen_new cached tokens: causal and windows are
-            bottom-right aligned to the end of each sequence.
+            b's keys being its cached tokens and the new ones: causal and windows are bottom-right aligned
+            to the end of each sequence.
         num_splits: split each sequence's keys into this many chunks, attended by separate programs and
             merged exactly by their log-sum-exps (Flash-Decoding); 0 chooses: on the Triton backend, when
             batch x nheads_k cannot fill the GPU, enough splits for a few waves of programs (the tuned
@@ -163,20 +180,25 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
         return_softmax_lse=True, (out, lse). Rows that see no key get out 0 and lse -inf.
 
     Raises:
-        TypeError / ValueError naming the argument and the rule, including a write past a cache's capacity
-        and a block_table entry that is not a block of the cache; every check runs before anything is
-        written, so a call that raises leaves the cache unchanged. The last two need the values of
-        cache_seqlens and block_table and run as check_values says. On a GPU they are by default the
+        TypeError / ValueError naming the argument and the rule, including a write past a cache's capacity,
+        a block_table entry that is not a block of the cache, a cache_batch_idx entry that is not a row of the
+        cache (or repeats one while appending) and a cache_leftpad entry outside 0 .. cache_seqlens[b]; every
+        check runs before anything is written, so a call that raises leaves the cache unchanged. The last
+        four need the values of cache_seqlens, block_table, cache_batch_idx and cache_leftpad and run as
+        check_values says. On a GPU they are by default the
         caller's guarantee (as in flash-attn), because reading the values back would stall every decode
         step; while a CUDA graph is captured or torch.compile traces they cannot run at all. When they
         are not checked and are broken, the result is undefined but memory stays safe: the kernel reads
-        at most `capacity` keys and only blocks of the cache, and an append outside the cache stops at
-        torch's device-side index check.
+        at most `capacity` keys and only blocks and rows of the cache, and an append outside the cache stops
+        at torch's device-side index check.
+        NotImplementedError for rotary_cos / rotary_sin other than None.
         BackendUnavailableError when the requested backend cannot serve the call.
     """
     call = prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                           num_splits=num_splits, return_softmax_lse=return_softmax_lse, check_values=check_values)
+                           num_splits=num_splits, return_softmax_lse=return_softmax_lse, check_values=check_values,
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+                           rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
     name, tiles = _dispatch.resolve(call.problem, call.layout.resolutions)  # raises before the cache is touched
     backend = _dispatch.BACKENDS[name]
     kvcache.append_to_cache(call)

@@ -10,10 +10,12 @@ merges them exactly with the log-sum-exp identity:
 (a chunk no query row can see has lse_s = -inf and weight 0). The result equals unsplit attention
 up to rounding, whatever the split count.
 
-The cache is either contiguous, (batch, capacity, nheads_k, dim), or paged, (num_blocks, page_size,
-nheads_k, dim) with a block table mapping sequence b's page i to block block_table[b, i]. Sequence
-b's keys are positions 0 .. cache_seqlens[b] + seqlen_new - 1; its queries are its newest tokens
-(causal and windows bottom-right aligned to the end of its keys).
+The cache is either contiguous, (batch_cache, capacity, nheads_k, dim), or paged, (num_blocks, page_size,
+nheads_k, dim) with a block table mapping sequence b's page i to block block_table[b, i]. A contiguous
+cache's row for sequence b is cache_batch_idx[b] (b without it). Sequence b's keys are positions
+cache_leftpad[b] (0 without it) .. cache_seqlens[b] + seqlen_new - 1 of its row, the new tokens written at
+cache_seqlens[b] onwards; its queries are its newest tokens (causal and windows bottom-right aligned to the
+end of its keys, so the left padding is invisible to them).
 
 The append runs on the tensors' device. attention_over_cache is the torch backend's attention (any
 device; one dense tiled pass per sequence and split; it reads cache_seqlens on the host); the Triton
@@ -36,7 +38,8 @@ def _paged_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -
 
 
 def append_to_cache(call: KVCacheCall) -> None:
-    """Write k_new / v_new into the caches in place at positions cache_seqlens[b] .. + seqlen_new - 1.
+    """Write k_new / v_new into the caches in place at positions cache_seqlens[b] .. + seqlen_new - 1 (of row
+    cache_batch_idx[b] when given).
 
     Device-side indexing only (nothing is read back to the host). Where prepare_kvcache checked the
     capacity and block indices this cannot fail halfway; where it did not (check_values), an index outside
@@ -47,17 +50,22 @@ def append_to_cache(call: KVCacheCall) -> None:
     batch, seqlen_new = call.k_new.shape[:2]
     positions = call.cache_seqlens.to(torch.int64)[:, None] + torch.arange(seqlen_new, device=call.q.device)
     if call.block_table is None:
-        first, second = torch.arange(batch, device=call.q.device)[:, None].expand(-1, seqlen_new), positions
+        rows = (torch.arange(batch, device=call.q.device) if call.cache_batch_idx is None
+                else call.cache_batch_idx.to(torch.int64))
+        first, second = rows[:, None].expand(-1, seqlen_new), positions
     else:
         first, second = _paged_slots(call.block_table, positions, call.page_size)
     call.k_cache[first, second] = call.k_new
     call.v_cache[first, second] = call.v_new
 
 
-def sequence_keys(call: KVCacheCall, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values 0 .. length - 1 of sequence b as (1, length, nheads_k, dim) tensors."""
+def sequence_keys(call: KVCacheCall, b: int, length: int, row: int | None = None,
+                  start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values start .. length - 1 of sequence b (of cache row `row`, default b, for a contiguous cache)
+    as (1, length - start, nheads_k, dim) tensors."""
     if call.block_table is None:
-        return call.k_cache[b:b + 1, :length], call.v_cache[b:b + 1, :length]
+        row = b if row is None else row
+        return call.k_cache[row:row + 1, start:length], call.v_cache[row:row + 1, start:length]
     first, second = _paged_slots(call.block_table[b], torch.arange(length, device=call.q.device), call.page_size)
     return call.k_cache[first, second].unsqueeze(0), call.v_cache[first, second].unsqueeze(0)
 
@@ -94,9 +102,12 @@ def attention_over_cache(call: KVCacheCall, tiles: torch_impl.TorchTiles,
     seqlen_q = p.seqlen_q
     seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
     outs, lses = [], []
+    batch = len(call.q)
+    rows = list(range(batch)) if call.cache_batch_idx is None else call.cache_batch_idx.tolist()
+    starts = [0] * batch if call.cache_leftpad is None else call.cache_leftpad.tolist()
     for b, cached in enumerate(call.cache_seqlens.tolist()):
-        length = cached + seqlen_new
-        keys, values = sequence_keys(call, b, length)
+        keys, values = sequence_keys(call, b, cached + seqlen_new, rows[b], starts[b])
+        length = keys.shape[1]
         slopes = torch_impl.sequence_slopes(call.alibi_slopes, b)
         partial_outs, partial_lses = [], []
         for k0, k1 in split_bounds(length, num_splits):

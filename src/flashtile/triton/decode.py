@@ -14,6 +14,11 @@ the splits with the log-sum-exp identity (weights exp(lse_s - lse), lse = log su
 The final lse is stored only when the caller asked for it (STORE_LSE): a decode step that does not
 return it then allocates nothing for it.
 
+A contiguous cache's row for sequence b is CacheBatchIdx[b] with HAS_BATCH_IDX (clamped into the cache), and with
+HAS_LEFTPAD its keys start at position CacheLeftpad[b] of that row: the program then works on the keys
+leftpad .. cache_seqlens[b] + seqlen_new - 1 as if they started at 0 (the row's base moves by leftpad rows), so
+splits, bands and masks are those of a sequence of that many keys. Neither applies to paged caches.
+
 Key positions are bottom-right aligned per sequence (query token i sits at position
 length - seqlen_q + i), so causal and windows mean what they mean in flash_attn_with_kvcache. Key
 blocks outside the band are skipped; every visited block applies the element mask (decoding is
@@ -28,7 +33,7 @@ from .common import finish_rows, online_softmax_step, program_coordinates, score
 
 @triton.jit
 def attention_decode_kernel(
-    Q, KCache, VCache, CacheSeqlens, BlockTable, Slopes, Out, Lse, Part,
+    Q, KCache, VCache, CacheSeqlens, BlockTable, CacheBatchIdx, CacheLeftpad, Slopes, Out, Lse, Part,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -41,7 +46,7 @@ def attention_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
 ):
     split, tile = program_coordinates(num_splits)
     row_block = tile % row_blocks
@@ -51,6 +56,15 @@ def attention_decode_kernel(
     # this sequence's keys, new tokens included; clamped to the capacity so that lengths the host did not
     # check (device tensors, see prepare_kvcache) can never make the program read outside the cache
     length = tl.minimum(tl.load(CacheSeqlens + b) + seqlen_new, capacity)
+    # the cache row of this sequence (num_blocks is the number of rows of a contiguous cache) and the position its
+    # keys start at, both clamped into the cache like the lengths; keys are then counted from that start
+    cache_row = b
+    if HAS_BATCH_IDX:
+        cache_row = tl.minimum(tl.maximum(tl.load(CacheBatchIdx + b), 0), num_blocks - 1).to(tl.int64)
+    key_start = b * 0
+    if HAS_LEFTPAD:
+        key_start = tl.maximum(tl.load(CacheLeftpad + b), 0).to(tl.int64)
+        length = length - key_start
     diagonal_offset = length - seqlen_q
 
     # rows: (query head g of the group, query token i) -> row g * seqlen_q + i; BLOCK_M rows per program
@@ -106,8 +120,8 @@ def attention_decode_kernel(
             k_rows = key_block * stride_kb + within * stride_kn
             v_rows = key_block * stride_vb + within * stride_vn
         else:
-            k_rows = b * stride_kb + offs_n.to(tl.int64) * stride_kn
-            v_rows = b * stride_vb + offs_n.to(tl.int64) * stride_vn
+            k_rows = cache_row * stride_kb + (key_start + offs_n.to(tl.int64)) * stride_kn
+            v_rows = cache_row * stride_vb + (key_start + offs_n.to(tl.int64)) * stride_vn
         k_t = tl.load(KCache + k_rows[None, :] + hk * stride_kh + offs_d[:, None],
                       mask=key_ok[None, :] & (offs_d[:, None] < HEADDIM), other=0.0)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)

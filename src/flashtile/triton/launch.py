@@ -708,7 +708,8 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
          softcap_scale, softcap_out, window_left, window_right),
         dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
              PAGE_CHUNK=page_chunk(shape.block_n, call.page_size),
-             SPLIT=shape.splits > 1, STORE_LSE=store_lse,
+             SPLIT=shape.splits > 1, STORE_LSE=store_lse, HAS_BATCH_IDX=call.cache_batch_idx is not None,
+             HAS_LEFTPAD=call.cache_leftpad is not None,
              num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
     combine = None
     if shape.splits > 1:
@@ -757,8 +758,11 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     lse_arg = out if lse is None else lse  # never written without STORE_LSE
     # one allocation for the partial outputs and their lse (a host-bound decode step feels each torch.empty)
     part = lse_arg if plan.combine is None else torch.empty(plan.part_floats, dtype=torch.float32, device=plan.device)
-    launch_fixed(plan.kernel, plan.grid, (q, call.k_cache, call.v_cache, call.cache_seqlens, table, slopes, out,
-                                          lse_arg, part))
+    # absent index tensors are passed as cache_seqlens (int32, never read)
+    batch_idx = call.cache_seqlens if call.cache_batch_idx is None else call.cache_batch_idx
+    leftpad = call.cache_seqlens if call.cache_leftpad is None else call.cache_leftpad
+    launch_fixed(plan.kernel, plan.grid, (q, call.k_cache, call.v_cache, call.cache_seqlens, table, batch_idx, leftpad,
+                                          slopes, out, lse_arg, part))
     if plan.combine is not None:
         launch_fixed(plan.combine, plan.combine_grid, (part, out, lse_arg))
     return out, lse
