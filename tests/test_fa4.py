@@ -162,9 +162,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
 @pytest.mark.parametrize("case", CASES.keys())
 def test_fa4_follows_the_eager_rule_beside_fa2(case, dtype, seed):
+    """fp16 / bf16, where both moves run (fp32 keeps every exponential on the exp2 unit; its fa4 is checked in
+    test_schedules.py's invariant, the rising scores and the gradients here)."""
     skip_unsupported("triton", dtype)
     shape, kwargs = CASES[case]
     q, k, v = random_qkv(*shape, dtype)
