@@ -221,8 +221,9 @@ def test_fa4_tma_forward_and_packed_batches(seed):
                                dtype, seed)
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
 def test_fa4_gradients_through_the_shared_backward(dtype, seed):
+    """fp16 / bf16, where both moves run; the backward recomputes P from fa4's lse, which must be the true one."""
     skip_unsupported("triton", dtype)
     q, k, v = random_qkv(2, 45, 61, 4, 2, 32, 24, dtype, requires_grad=True)
     with flashtile.use_backend("triton", schedule="fa4"):
