@@ -281,6 +281,27 @@ def test_fa4_in_the_registry():
         assert fa4.available, fa4.reason
 
 
+def test_fa4_tiles_take_two_stages_at_128_key_blocks_on_a_gpu():
+    """The column split of the exponentials needs shared memory: fa4's d = 128 sm_90 tile (128 keys per block) takes
+    2 stages where fa2's takes 3; fp32 runs the rescaling alone; the interpreter keeps fa2's tiles."""
+    from flashtile._validate import AttentionProblem
+
+    def problem(dtype, headdim):
+        return AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=4096, seqlen_k=4096, headdim=headdim,
+                                headdim_v=headdim, dtype=dtype, device=torch.device("cpu"), softmax_scale=0.1,
+                                window_left=-1, window_right=-1, diagonal_offset=0, alignment="bottom-right",
+                                softcap=0.0, has_alibi=False, mask_kind=None)
+
+    wide = problem(torch.bfloat16, 128)
+    fa2, fa4 = configs.portable_tiles(wide, (9, 0)), configs.fa4_tiles(wide, (9, 0))
+    assert (fa2.block_n, fa2.num_stages) == (128, 3) and (fa4.block_n, fa4.num_stages) == (128, 2)
+    assert (fa4.rescale_threshold, fa4.exp2_poly_every) == (8, 4)
+    narrow = problem(torch.bfloat16, 64)
+    assert configs.fa4_tiles(narrow, (9, 0)).num_stages == configs.portable_tiles(narrow, (9, 0)).num_stages
+    assert configs.fa4_tiles(problem(torch.float32, 64), (9, 0)).exp2_poly_every == 0
+    assert configs.fa4_tiles(wide, None).num_stages == configs.portable_tiles(wide, None).num_stages
+
+
 SETTING_ERRORS = {
     "threshold with fa2": ({"schedule": "fa2", "rescale_threshold": 8}, torch.float16,
                            "rescale_threshold belong to schedule 'fa4'"),

@@ -251,8 +251,8 @@ class TritonBackend:
         """The table's tiles (schedule None), or the forced schedule's: fa2 the table without the Gluon forward
         (triton_configs.portable_tiles: forward schedule 1 on sm_90 for fp16 / bf16 up to d = 128, else 0), fa3 the
         table with forward schedule 3, fa1 the FA1 kernel's default blocks, fa4 fa2's tiles with FlashAttention-4's
-        moves (configs.FA4_RESCALE_THRESHOLD; configs.FA4_EXP2_POLY_EVERY for fp16 / bf16, 0 for fp32); decode the
-        table (its kernels take their tile from the cache layout). The backward is the table's in every schedule."""
+        moves (triton_configs.fa4_tiles); decode the table (its kernels take their tile from the cache layout). The
+        backward is the table's in every schedule."""
         if schedule is None:
             return triton_configs.default_tiles(problem, capability)
         forced = overrides.get("forward_schedule")
@@ -264,10 +264,7 @@ class TritonBackend:
         if schedule == "fa2":
             return dataclasses.replace(triton_configs.portable_tiles(problem, capability), forced_schedule=code)
         if schedule == "fa4":
-            sixteen_bit = problem.dtype in (torch.float16, torch.bfloat16)
-            return dataclasses.replace(triton_configs.portable_tiles(problem, capability), forced_schedule=code,
-                                       rescale_threshold=triton_configs.FA4_RESCALE_THRESHOLD,
-                                       exp2_poly_every=triton_configs.FA4_EXP2_POLY_EVERY if sixteen_bit else 0)
+            return dataclasses.replace(triton_configs.fa4_tiles(problem, capability), forced_schedule=code)
         tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), forced_schedule=code)
         if schedule == "fa3":
             return dataclasses.replace(tiles, forward_schedule=3)

@@ -514,6 +514,20 @@ def portable_tiles(problem: AttentionProblem, capability: tuple[int, int] | None
     return _triton_tiles(problem, capability)
 
 
+def fa4_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
+    """The fa4 schedule's settings: the fa2 schedule's (portable_tiles) with FlashAttention-4's moves,
+    FA4_RESCALE_THRESHOLD and, for fp16 / bf16, FA4_EXP2_POLY_EVERY (fp32 keeps P in fp32 for its matmul, where the
+    cubic's 1.0e-4 would exceed the rounding: every exponential on the exp2 unit). On a GPU, 128-key blocks take 2
+    stages instead of 3: splitting the score tile into its columns (tl.split / tl.join in common.exp2_columns)
+    converts layouts through shared memory, and the d = 128 forward's 128 x 128 tile needed 262,200 bytes with 3
+    stages (triton 3.6, sm_90), over sm_90's 232,448; 196,640 with 2. Not measured on a GPU."""
+    tiles = portable_tiles(problem, capability)
+    every = FA4_EXP2_POLY_EVERY if problem.dtype in (torch.float16, torch.bfloat16) else 0
+    stages = 2 if capability is not None and every and tiles.block_n >= 128 else tiles.num_stages
+    return dataclasses.replace(tiles, rescale_threshold=FA4_RESCALE_THRESHOLD, exp2_poly_every=every,
+                               num_stages=min(stages, tiles.num_stages))
+
+
 def _triton_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
     """The Triton kernels' launch settings for `problem` on a GPU of compute capability `capability` (None: the CPU
     interpreter).
