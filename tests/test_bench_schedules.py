@@ -27,7 +27,8 @@ def schedules_run(tmp_path_factory):
     process = subprocess.run([sys.executable, "-m", "flashtile", "bench", "--device", "cpu", "--schedules", "--mode",
                               "fwd", "--causal", "no", "--max-call-seconds", "0", "--json", str(json_path), "--plot",
                               str(png_path)], capture_output=True, text=True, timeout=600, env=env)
-    assert process.returncode == 0, f"bench exited {process.returncode}\nstdout:\n{process.stdout}\nstderr:\n{process.stderr}"
+    assert process.returncode == 0, \
+        f"bench exited {process.returncode}\nstdout:\n{process.stdout}\nstderr:\n{process.stderr}"
     return process, json.loads(json_path.read_text()), png_path
 
 

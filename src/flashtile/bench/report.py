@@ -275,8 +275,8 @@ def write_schedule_plot(path: str | Path, result: BenchResult) -> None:
         ran = [name for name in schedules if name in here and here[name].status == "ok"]
         heights = [here[name].tflops * scale for name in ran]
         bars = ax.bar(range(len(ran)), heights, color=[f"C{schedules.index(name) % 10}" for name in ran])
-        ax.bar_label(bars, labels=[f"{_number(h)}\nerr {here[name].max_abs_error:.1e}" for h, name in zip(heights, ran)],
-                     fontsize=7, padding=2)
+        labels = [f"{_number(h)}\nerr {here[name].max_abs_error:.1e}" for h, name in zip(heights, ran)]
+        ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
         ax.set_xticks(range(len(ran)), ran)
         ax.set_ylabel(unit)
         if heights:
