@@ -18,7 +18,7 @@ from flashtile.triton.bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_ke
 from flashtile.triton.decode import attention_decode_combine_kernel, attention_decode_kernel
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
-from flashtile.triton.configs import default_tiles
+from flashtile.triton.configs import default_tiles, fa4_tiles
 from flashtile.triton.launch import default_decode_tile, page_chunk
 from flashtile._validate import AttentionProblem
 
@@ -26,6 +26,8 @@ FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out"}
 
 
 def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
+    # constexprs left out take their defaults (the fa4 schedule's RESCALE_THRESHOLD and EXP2_POLY_EVERY, 0 elsewhere)
+    constexprs = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -43,16 +45,20 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
 
 def table_tiles(dtype: str, headdim: int, causal: bool = False, varlen: bool = False):
     """The tile table's sm_90 choice for a 4k-token call of this dtype and head dim (a packed batch with varlen)."""
+    return default_tiles(table_problem(dtype, headdim, causal, varlen), (9, 0))
+
+
+def table_problem(dtype: str, headdim: int, causal: bool = False, varlen: bool = False):
+    """A 4k-token call of this dtype and head dim (a packed batch with varlen)."""
     import torch
 
-    problem = AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=4096, seqlen_k=4096, headdim=headdim,
-                               headdim_v=headdim, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
-                                                                        "fp32": "float32"}[dtype]),
-                               device=torch.device("cpu"), softmax_scale=0.1, window_left=-1,
-                               window_right=0 if causal else -1,
-                               diagonal_offset=0, alignment="bottom-right", softcap=0.0, has_alibi=False,
-                               mask_kind=None, varlen=varlen)
-    return default_tiles(problem, (9, 0))
+    return AttentionProblem(batch=1, nheads=16, nheads_k=16, seqlen_q=4096, seqlen_k=4096, headdim=headdim,
+                            headdim_v=headdim, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
+                                                                     "fp32": "float32"}[dtype]),
+                            device=torch.device("cpu"), softmax_scale=0.1, window_left=-1,
+                            window_right=0 if causal else -1,
+                            diagonal_offset=0, alignment="bottom-right", softcap=0.0, has_alibi=False,
+                            mask_kind=None, varlen=varlen)
 
 
 def main():
@@ -98,6 +104,20 @@ def main():
                      VARLEN=packed, SEPARATE_RAGGED_END=bool(forward.forward_separate_ragged_end), **plain),
                 dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32"),
                 warps, stages))
+        if dtype == "bf16" and headdim == 128:
+            # the fa4 schedule (FlashAttention-4's moves) at its tiles: the column split of its exponentials takes
+            # shared memory, which its 2 stages leave room for (configs.fa4_tiles)
+            fa4 = fa4_tiles(table_problem(dtype, headdim, causal), (9, 0))
+            descriptors = {"q_desc": f"tensordesc<{dtype}[1,1,{fa4.block_m},{width}]>",
+                           "k_desc": f"tensordesc<{dtype}[1,1,{fa4.block_n},{width}]>",
+                           "v_desc": f"tensordesc<{dtype}[1,1,{fa4.block_n},{width}]>"}
+            results.append(compile_variant(
+                f"fwd-tma schedule 1 fa4 {tag}", attention_fwd_tma_kernel,
+                dict(flags, BLOCK_M=fa4.block_m, BLOCK_N=fa4.block_n, WARP_SPECIALIZE=False, MASK_ALL=causal,
+                     VARLEN=False, SEPARATE_RAGGED_END=bool(fa4.forward_separate_ragged_end),
+                     RESCALE_THRESHOLD=fa4.rescale_threshold, EXP2_POLY_EVERY=fa4.exp2_poly_every, **plain),
+                dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32"),
+                fa4.num_warps, fa4.num_stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
                                        {"Out": ptr, "dOut": ptr, "dLse": "*fp32", "Delta": "*fp32"}, 4, 1))

@@ -27,7 +27,7 @@ HEADER_KEYS = {"device", "device_name", "driver", "cpu_threads", "torch", "trito
 CEILING_KEYS = {"matmul_tflops", "matmul_size", "copy_gbps", "copy_bytes"}
 ROW_KEYS = {"provider", "batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "mode", "dtype", "status",
             "reason", "ms", "tflops", "matmul_fraction", "roofline_fraction", "io_model", "peak_mib", "rel_error",
-            "error_of", "kernels", "kernel_ms"}
+            "error_of", "kernels", "kernel_ms", "max_abs_error", "io_bytes"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,7 +10,7 @@ Public API:
     scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
     explain                        what a call would run (backend, kernel, tiles) and why
     use_backend                    context manager choosing the backend ("auto", "torch", "triton") and schedule
-    schedules                      the Triton backend's schedules (fa1, fa2, fa3, decode) and where each runs
+    schedules                      the Triton backend's schedules (fa1, fa2, fa3, fa4, decode) and where each runs
     reference                      the float64 oracle (dense; for checking only)
 """
 

@@ -2,7 +2,7 @@
 
 The choice comes from, in order: the innermost `use_backend(...)` context, the environment
 variables FLASHTILE_BACKEND (auto | torch | triton) and FLASHTILE_SCHEDULE (a schedule of the Triton
-backend: fa1 | fa2 | fa3 | decode; it implies triton), both read at every call, and "auto". A context
+backend: fa1 | fa2 | fa3 | fa4 | decode; it implies triton), both read at every call, and "auto". A context
 replaces the environment's request whole (its schedule too). `auto` picks the best backend available
 for the tensors' device. A backend or schedule named explicitly that cannot serve the call raises
 `BackendUnavailableError` saying why; nothing falls back silently.
@@ -185,6 +185,16 @@ class TritonBackend:
             if value not in (0, 2, 4, 8):
                 raise ValueError(f"tile setting gluon_exp2_emulated must be 0, 2, 4 or 8, got {value}")
             return
+        if key == "rescale_threshold":
+            if not 0 <= value <= triton_configs.MAX_RESCALE_THRESHOLD:
+                raise ValueError(f"tile setting rescale_threshold must be in 0..{triton_configs.MAX_RESCALE_THRESHOLD} "
+                                 f"(base-2 units; probabilities reach 2^threshold, finite in fp16 up to 15), got "
+                                 f"{value}")
+            return
+        if key == "exp2_poly_every":
+            if value not in triton_configs.EXP2_POLY_CHOICES:
+                raise ValueError(f"tile setting exp2_poly_every must be 0, 2, 4 or 8, got {value}")
+            return
         if key == "gluon_block_n":
             if value not in (64, 128, 256):
                 raise ValueError(f"tile setting gluon_block_n must be 64, 128 or 256, got {value}")
@@ -205,6 +215,14 @@ class TritonBackend:
                      schedule: str | None = None) -> triton_configs.TritonTiles:
         """The table's tiles for `problem`, or those of the forced `schedule`, with the caller's `overrides`."""
         capability = None if problem.device.type == "cpu" else torch.cuda.get_device_capability(problem.device)
+        fa4_settings = [key for key in triton_configs.FA4_KEYS if key in overrides]
+        if fa4_settings and schedule != "fa4":
+            raise ValueError(f"tile settings {', '.join(fa4_settings)} belong to schedule 'fa4' (FlashAttention-4's "
+                             f"moves); use use_backend('triton', schedule='fa4', ...), not schedule {schedule!r}")
+        if overrides.get("exp2_poly_every") and problem.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"tile setting exp2_poly_every={overrides['exp2_poly_every']} needs fp16 or bf16 inputs, "
+                             f"got {problem.dtype}: the cubic's relative error (1.0e-4) lies below the rounding of P "
+                             "to 16 bits for its matmul, not below float32's; use exp2_poly_every=0")
         tiles = dataclasses.replace(self._schedule_tiles(problem, capability, schedule, overrides), **overrides)
         forced_forward = any(key in overrides for key in triton_configs.FORWARD_TILE_KEYS)
         if forced_forward and "forward_max_registers" not in overrides:
@@ -232,17 +250,21 @@ class TritonBackend:
                         overrides: dict[str, Any]) -> triton_configs.TritonTiles:
         """The table's tiles (schedule None), or the forced schedule's: fa2 the table without the Gluon forward
         (triton_configs.portable_tiles: forward schedule 1 on sm_90 for fp16 / bf16 up to d = 128, else 0), fa3 the
-        table with forward schedule 3, fa1 the FA1 kernel's default blocks; decode the table (its kernels take
-        their tile from the cache layout). The backward is the table's in every schedule."""
+        table with forward schedule 3, fa1 the FA1 kernel's default blocks, fa4 fa2's tiles with FlashAttention-4's
+        moves (triton_configs.fa4_tiles); decode the table (its kernels take their tile from the cache layout). The
+        backward is the table's in every schedule."""
         if schedule is None:
             return triton_configs.default_tiles(problem, capability)
         forced = overrides.get("forward_schedule")
-        if forced is not None and (schedule != "fa2" or forced == 3):
+        if forced is not None and (schedule not in ("fa2", "fa4") or forced == 3):
             raise ValueError(f"tile setting forward_schedule={forced} contradicts schedule {schedule!r}: "
-                             "forward_schedule picks among the fa2 schedule's kernels (0, 1 or 2)")
+                             "forward_schedule picks among the fa2 schedule's kernels (0, 1 or 2), which fa4 "
+                             "shares")
         code = triton_configs.SCHEDULE_CODES[schedule]
         if schedule == "fa2":
             return dataclasses.replace(triton_configs.portable_tiles(problem, capability), forced_schedule=code)
+        if schedule == "fa4":
+            return dataclasses.replace(triton_configs.fa4_tiles(problem, capability), forced_schedule=code)
         tiles = dataclasses.replace(triton_configs.default_tiles(problem, capability), forced_schedule=code)
         if schedule == "fa3":
             return dataclasses.replace(tiles, forward_schedule=3)
@@ -328,7 +350,7 @@ def current_request() -> _Request:
 def use_backend(name: str, *, schedule: str | None = None, **tile_overrides: int) -> Iterator[None]:
     """Run the calls inside the `with` block on backend `name` ("auto", "torch" or "triton").
 
-    schedule: for the triton backend, the schedule every call runs ("fa1", "fa2", "fa3" or "decode"; see
+    schedule: for the triton backend, the schedule every call runs ("fa1", "fa2", "fa3", "fa4" or "decode"; see
     `flashtile.schedules()`), instead of the tile table's choice; a call it cannot serve raises
     BackendUnavailableError naming the schedule and why. None: the table's choice.
     Keyword arguments force the tile shape of that backend (for the torch backend: block_q and

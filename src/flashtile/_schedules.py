@@ -17,7 +17,7 @@ import torch
 from ._validate import AttentionProblem
 from .triton import configs as triton_configs
 
-SCHEDULE_NAMES = tuple(triton_configs.SCHEDULE_CODES)  # ("fa1", "fa2", "fa3", "decode")
+SCHEDULE_NAMES = tuple(triton_configs.SCHEDULE_CODES)  # ("fa1", "fa2", "fa3", "fa4", "decode")
 SCHEDULE_ENV_VAR = "FLASHTILE_SCHEDULE"
 
 _TABLE_BACKWARD = ("attention_bwd_dq_kernel then attention_bwd_dkdv_kernel, or attention_bwd_preprocess_kernel then "
@@ -43,6 +43,11 @@ class Schedule:
     reason: str
 
 
+# What FlashAttention-4 does that sm_90 has no counterpart for; explain() says it with every fa4 call.
+FA4_BLACKWELL_ONLY = ("FA4's Blackwell-only moves do not exist on sm_90: tensor memory (TMEM) holding S, P and O "
+                      "beside the tensor cores, two-CTA MMA (tcgen05 with a CTA pair sharing one tile), and its "
+                      "tcgen05 warp roles (a correction warpgroup rescaling O in tensor memory); they are not built")
+
 # name -> (description, bottleneck, forward kernel, backward kernel)
 _REGISTRY = {
     "fa1": ("key blocks outer, query blocks inner: each program (batch entry, query head) loads K_j and V_j once and "
@@ -61,6 +66,16 @@ _REGISTRY = {
             "on Hopper, the matmul units idling while loads and the softmax run: roles overlap them",
             "attention_fwd_gluon_kernel (sm_90, fp16 / bf16)",
             _TABLE_BACKWARD),
+    "fa4": ("fa2's kernels with FlashAttention-4's two moves that exist on Hopper, compiled in as constexprs "
+            "(triton/common.py online_softmax_step): a row's running max is moved only when a key block raises it "
+            "by more than 8 (base 2, a factor 256), so acc and l are not rescaled for smaller rises (exact: out and "
+            "lse use the same max; probabilities stay below 2^8); and for fp16 / bf16 one exponential in 4 is a cubic "
+            "in 2^f on the FMA units with the integer part added to the exponent bits. " + FA4_BLACKWELL_ONLY,
+            "the exp2 unit and the rescaling multiplies beside the matmuls (on Blackwell the matmuls outrun them)",
+            "attention_fwd_kernel or attention_fwd_tma_kernel as fa2 chooses (TMA on sm_90 for fp16 / bf16 up to "
+            "d = 128), compiled with RESCALE_THRESHOLD=8 and EXP2_POLY_EVERY=4 (0 for fp32); not the Gluon kernel: on "
+            "sm_90 fa4 runs these Triton kernels",
+            _TABLE_BACKWARD + "; lse is the true natural-log lse, so the shared recompute backward differentiates it"),
     "decode": ("Flash-Decoding for flash_attn_with_kvcache: each sequence's cached keys split into chunks attended by "
                "separate programs, merged exactly by their log-sum-exps (triton/decode.py)",
                "few query rows against a long KV cache: batch x heads alone cannot fill the GPU",
@@ -109,7 +124,8 @@ def running_schedule(problem: AttentionProblem, tiles: triton_configs.TritonTile
 def describe_kernels(name: str) -> str:
     """The forward and backward kernels of schedule `name`, for explain()."""
     _, _, forward, backward = _REGISTRY[name]
-    return f"forward {forward}; " + (f"backward {backward}" if backward else "forward only")
+    text = f"forward {forward}; " + (f"backward {backward}" if backward else "forward only")
+    return text + (f". {FA4_BLACKWELL_ONLY}" if name == "fa4" else "")
 
 
 def _probe(device: torch.device, dtype: torch.dtype, kvcache: bool) -> AttentionProblem:
@@ -121,7 +137,8 @@ def _probe(device: torch.device, dtype: torch.dtype, kvcache: bool) -> Attention
 
 
 def schedules(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[Schedule]:
-    """The schedules that exist, in order fa1, fa2, fa3, decode, each with whether it can run on `device` / `dtype`.
+    """The schedules that exist, in order fa1, fa2, fa3, fa4, decode, each with whether it can run on `device` /
+    `dtype`.
 
     Args:
         device: a torch.device or its name ("cuda", "cuda:1", "cpu"); None: the current CUDA device if there is

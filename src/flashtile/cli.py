@@ -101,11 +101,15 @@ def bench(args: argparse.Namespace) -> int:
     if args.from_json:
         return _redraw(args, report)
     if args.mode is not None and args.mode.strip() == "decode":
+        if args.schedules:
+            print("flashtile bench: error: --schedules runs dense calls; the decode schedule has its own grid "
+                  "(--mode decode without --schedules)", file=sys.stderr)
+            return 2
         return _bench_decode(args)
     try:
         config = runner.make_config(device=args.device, dtype=args.dtype, headdim=args.headdim, seqlens=args.seqlens,
                                     causal=args.causal, mode=args.mode, providers=args.providers, quick=args.quick,
-                                    max_call_seconds=args.max_call_seconds)
+                                    max_call_seconds=args.max_call_seconds, schedules=args.schedules)
     except ValueError as error:
         print(f"flashtile bench: error: {error}", file=sys.stderr)
         return 2
@@ -118,9 +122,9 @@ def bench(args: argparse.Namespace) -> int:
         return 2
 
     result = _run_and_report(args, lambda progress, on_row: runner.run_benchmark(config, progress, on_row),
-                             report.format_table)
+                             report.format_schedule_table if args.schedules else report.format_table)
     if args.plot:
-        report.write_plot(args.plot, result)
+        (report.write_schedule_plot if args.schedules else report.write_plot)(args.plot, result)
         print(f"wrote {args.plot}")
     return 0
 
@@ -183,9 +187,10 @@ def _redraw(args: argparse.Namespace, report) -> int:
         print("flashtile bench: error: " + "; ".join(problems), file=sys.stderr)
         return 2
     result = report.read_json(args.from_json)
-    print(report.format_table(result), flush=True)
+    schedules = report.is_schedule_run(result)
+    print((report.format_schedule_table if schedules else report.format_table)(result), flush=True)
     if args.plot:
-        report.write_plot(args.plot, result)
+        (report.write_schedule_plot if schedules else report.write_plot)(args.plot, result)
         print(f"wrote {args.plot}")
     return 0
 
@@ -232,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-call-seconds", default=None, metavar="S",
                    help="skip (with the reason in its row) a provider whose single call takes longer than S seconds "
                         "(default 2; 0 = no limit)")
+    b.add_argument("--schedules", action="store_true",
+                   help="run every schedule of flashtile's registry that runs on the device (fa1, fa2, fa3, fa4) on "
+                        "the same inputs instead of the peers: TFLOP/s, fraction of the measured matmul ceiling, the "
+                        "IO model's HBM bytes, kernels, max abs error vs float64; on the CPU only under "
+                        "TRITON_INTERPRET=1, at tiny shapes")
     b.add_argument("--json", default=None, metavar="PATH", help="write the header and every row to PATH")
     b.add_argument("--plot", default=None, metavar="PATH", help="draw TFLOP/s to a PNG at PATH (needs matplotlib)")
     b.add_argument("--from-json", default=None, metavar="PATH",

@@ -240,7 +240,7 @@ class Explanation(str):
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, api: str = "flash_attn_func", **kwargs: Any) -> Explanation:
-    """Describe the backend, schedule (Triton backend: fa1, fa2, fa3 or decode), kernels and tiles a call with
+    """Describe the backend, schedule (Triton backend: fa1, fa2, fa3, fa4 or decode), kernels and tiles a call with
     these arguments would run, and why.
 
     Takes the same arguments as `flash_attn_func` (or, with api="flash_attn_varlen_func",

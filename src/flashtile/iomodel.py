@@ -166,6 +166,21 @@ def tiled_cost(shape: AttentionShape, mode: str, element_bytes: int) -> Cost:
     return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[mode]
 
 
+def fa1_forward_cost(shape: AttentionShape, element_bytes: int, block_n: int) -> Cost:
+    """FLOPs and HBM bytes of the FA1 loop order's forward (key blocks outer, query blocks inner): the tiled forward's
+    compulsory traffic, plus, for every block of `block_n` keys, the float32 output, row max and row sum of every
+    query row it reaches read and written once (B*H*Sq*(4*d + 8) bytes each way; about half the blocks reach a row
+    when causal). The state's first read and last write are counted like the others: an upper estimate by one pass.
+    """
+    _check_element_bytes(element_bytes)
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
+        raise ValueError(f"block_n must be a positive int, got {block_n!r}")
+    passes = -(-shape.seqlen_k // block_n) * (0.5 if shape.causal else 1.0)
+    state_bytes = shape.batch * shape.nheads * shape.seqlen_q * (4 * shape.headdim + 8)
+    forward = tiled_cost(shape, "fwd", element_bytes)
+    return Cost(forward.flops, forward.hbm_bytes + 2 * passes * state_bytes)
+
+
 def cost(model: str, shape: AttentionShape, mode: str, element_bytes: int) -> Cost:
     """`materialised_cost` or `tiled_cost`, chosen by `model` ("materialised" or "tiled")."""
     if model == "materialised":

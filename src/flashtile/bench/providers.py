@@ -19,8 +19,9 @@ itself), "flashtile[triton:tma]" / "flashtile[triton:gluon]" / "flashtile[triton
 with a Triton forward schedule or a backward schedule forced (two or one launch, pointer or TMA loads; only when named),
 torch SDPA with each backend
 forced ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math"), FlexAttention under torch.compile ("flex", CUDA only), naive materialised attention
-("naive"), and the optional packages flash-attn 2 ("flash_attn") and FlashAttention 4's CuTe-DSL
-interface ("flash_attn.cute").
+("naive"), the optional packages flash-attn 2 ("flash_attn") and FlashAttention 4's CuTe-DSL
+interface ("flash_attn.cute"), and the schedules of flashtile's registry ("schedule:fa1" ... "schedule:fa4", only when
+named or with `flashtile bench --schedules`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 import flashtile
 from flashtile import _dispatch
 from flashtile._validate import prepare_flash_attn
-from flashtile.iomodel import AttentionShape
+from flashtile.errors import BackendUnavailableError
+from flashtile.iomodel import AttentionShape, Cost, cost, fa1_forward_cost, tiled_cost
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -84,6 +86,10 @@ class Provider:
 
     def kernels_reason(self, kernels: list[str]) -> str | None:
         return None
+
+    def io_cost(self, shape: AttentionShape, mode: str, element_bytes: int) -> Cost:
+        """FLOPs and HBM bytes that bound this provider's time: `flashtile.iomodel.cost` of its io_model."""
+        return cost(self.io_model, shape, mode, element_bytes)
 
 
 class FlashtileProvider(Provider):
@@ -131,6 +137,80 @@ class FlashtileProvider(Provider):
                 return flashtile.flash_attn_func(q, k, v, causal=causal)
 
         return forward
+
+
+def _probe_call(problem: Problem):
+    """flashtile's validated call for `problem`, from zero-stride views (nothing allocated)."""
+    s = problem.shape
+    q, k, v = (torch.empty(s.headdim, dtype=problem.dtype, device=problem.device).expand(
+        s.batch, length, s.nheads, s.headdim) for length in (s.seqlen_q, s.seqlen_k, s.seqlen_k))
+    return prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=s.causal, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              return_lse=False)
+
+
+class ScheduleProvider(Provider):
+    """One schedule of flashtile's registry (flashtile.schedules(): fa1, fa2, fa3, fa4) forced through
+    use_backend("triton", schedule=name): `flashtile bench --schedules` runs them all on the same inputs. The decode
+    schedule serves KV-cache calls only and is not among them (`flashtile bench --mode decode` measures it)."""
+
+    NAMES = ("fa1", "fa2", "fa3", "fa4")
+    # the forward kernel each schedule's rows must show (fa2 and fa4 share the Triton kernels' names: fa4 is those
+    # kernels compiled with its constexprs)
+    FORWARD_KERNELS = {"fa1": ("attention_fwd_fa1_kernel",),
+                       "fa2": ("attention_fwd_kernel", "attention_fwd_tma_kernel"),
+                       "fa3": ("attention_fwd_gluon_kernel",),
+                       "fa4": ("attention_fwd_kernel", "attention_fwd_tma_kernel")}
+    # keys per FA1 block for the IO model: the FA1 kernel's default on a GPU (fwd_fa1.default_fa1_blocks)
+    FA1_MODEL_BLOCK_N = 64
+
+    def __init__(self, schedule: str):
+        if schedule not in self.NAMES:
+            raise ValueError(f"schedule must be one of {', '.join(self.NAMES)}, got {schedule!r}")
+        self.schedule = schedule
+        self.name = f"schedule:{schedule}"
+        self.io_model = "tiled, O / m / l per key block" if schedule == "fa1" else "tiled"
+        self.in_default_grid = False
+
+    def unavailable_reason(self, problem: Problem) -> str | None:
+        try:
+            with flashtile.use_backend("triton", schedule=self.schedule):
+                _dispatch.plan(_probe_call(problem).problem)
+        except BackendUnavailableError as error:
+            # the dispatcher's message names the schedule and the request; the row keeps the reason
+            return str(error).split("cannot serve this call: ", 1)[-1]
+        return None
+
+    def prepare(self, problem: Problem) -> Forward:
+        schedule, causal = self.schedule, problem.shape.causal
+
+        def forward(q, k, v):
+            with flashtile.use_backend("triton", schedule=schedule):
+                return flashtile.flash_attn_func(q, k, v, causal=causal)
+
+        return forward
+
+    def kernels_reason(self, kernels: list[str]) -> str | None:
+        ours = [name for name in kernels if name.startswith("attention_")]
+        if ours and not any(name in self.FORWARD_KERNELS[self.schedule] for name in ours):
+            return (f"schedule {self.schedule!r} should run {' or '.join(self.FORWARD_KERNELS[self.schedule])}, "
+                    f"but the kernels were {', '.join(ours)}")
+        return None
+
+    def io_cost(self, shape: AttentionShape, mode: str, element_bytes: int) -> Cost:
+        """The tiled model; for fa1 its forward also moves O, m and l through memory once per key block."""
+        if self.schedule != "fa1":
+            return tiled_cost(shape, mode, element_bytes)
+        forward = fa1_forward_cost(shape, element_bytes, self.FA1_MODEL_BLOCK_N)
+        if mode == "fwd":
+            return forward
+        backward = tiled_cost(shape, "bwd", element_bytes)
+        return backward if mode == "bwd" else forward + backward
+
+
+def schedule_providers() -> list[Provider]:
+    """The registry's dense-call schedules, for `flashtile bench --schedules`."""
+    return [ScheduleProvider(name) for name in ScheduleProvider.NAMES]
 
 
 def _bhsd(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -351,16 +431,17 @@ def all_providers() -> list[Provider]:
         ("math", "MATH"))]
     providers += [FlexProvider(), NaiveProvider(), OptionalPackageProvider("flash_attn"),
                   OptionalPackageProvider("flash_attn.cute")]
-    return providers
+    return providers + schedule_providers()
 
 
-FAMILIES = {"flashtile": "flashtile[", "sdpa": "sdpa-"}
+FAMILIES = {"flashtile": "flashtile[", "sdpa": "sdpa-", "schedules": "schedule:"}
 
 
 def select_providers(names: list[str] | None) -> list[Provider]:
     """The providers named (each a provider name, or a family: "flashtile" = every flashtile backend and
-    forced schedule, "sdpa" = every SDPA backend), in `all_providers` order; None selects all but the forced
-    schedules (flashtile[triton:tma], [triton:tma-ws], [triton:bwd0] ... [triton:bwd3]: name them to compare).
+    forced schedule, "sdpa" = every SDPA backend, "schedules" = the registry's schedule:fa1 ... schedule:fa4), in
+    `all_providers` order; None selects all but the forced schedules (flashtile[triton:tma], [triton:tma-ws],
+    [triton:bwd0] ... [triton:bwd3], schedule:fa1 ... schedule:fa4: name them to compare).
 
     Raises ValueError naming --providers and listing the known names for an unknown name.
     """

@@ -1,5 +1,8 @@
 """Present a benchmark result: a terminal table, a JSON file, and a PNG bar chart.
 
+A `flashtile bench --schedules` run (rows of the registry's schedules) has a table and a plot of its own
+(format_schedule_table, write_schedule_plot): one bar per schedule, with its max abs error against float64.
+
 The JSON holds everything (`{"header": {...}, "rows": [...]}`, full kernel names and reasons); the
 table shortens kernel names and reasons to fit a terminal; the plot shows TFLOP/s of the "ok" rows
 only, in the style of the FlashAttention papers: one panel per (head dim, causal, mode), one bar
@@ -189,4 +192,102 @@ def write_plot(path: str | Path, result: BenchResult) -> None:
     if providers:
         figure.legend([Patch(color=colours[p]) for p in providers], providers, loc="outside lower center",
                       ncols=min(len(providers), 8), fontsize=9)
+    figure.savefig(path, format="png", dpi=120)
+
+
+_SCHEDULE_COLUMNS = (("schedule", 13, "<"), ("d", 4, ">"), ("N", 6, ">"), ("causal", 6, "<"), ("mode", 7, "<"),
+                     ("BxH", 7, ">"), ("ms", 9, ">"), ("TFLOP/s", 8, ">"), ("%matmul", 7, ">"), ("model MB", 9, ">"),
+                     ("GB/s", 8, ">"), ("%copy", 6, ">"), ("max err", 8, ">"))
+
+
+def is_schedule_run(result: BenchResult) -> bool:
+    """Whether `result` is a `flashtile bench --schedules` run (its rows are the registry's schedules)."""
+    return bool(result.rows) and all(row.provider.startswith("schedule:") for row in result.rows)
+
+
+def format_schedule_table(result: BenchResult) -> str:
+    """The `--schedules` table: per cell (head dim, N, causal, mode) one line per schedule, with TFLOP/s, its
+    fraction of the measured matmul ceiling, the HBM bytes the IO model counts for the schedule (fa1's forward
+    also moves O, m and l per key block), the bandwidth those bytes imply at the measured time and its fraction of
+    the measured copy bandwidth, the max abs error against float64 and the kernels."""
+    columns = _SCHEDULE_COLUMNS
+    copy_gbps = result.header["ceilings"]["copy_gbps"]
+
+    def line(cells: list[str]) -> str:
+        return " ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, columns))
+
+    head = line([name for name, _, _ in columns]) + " ran"
+    lines = [format_header(result.header), "", head, "-" * len(head)]
+    previous_cell = None
+    for row in result.rows:
+        cell = (row.headdim, row.seqlen_q, row.causal, row.mode)
+        if previous_cell is not None and cell != previous_cell:
+            lines.append("")
+        previous_cell = cell
+        where = [row.provider.removeprefix("schedule:"), str(row.headdim), str(row.seqlen_q),
+                 "yes" if row.causal else "no", row.mode, f"{row.batch}x{row.heads}"]
+        if row.ms is None:
+            lines.append(line(where) + f" {row.status}: {_shorten(row.reason or '', REASON_WIDTH)}")
+            continue
+        gbps = None if row.io_bytes is None else row.io_bytes / (row.ms * 1e-3) / 1e9
+        measured = [_number(row.ms), _number(row.tflops), _percent(row.matmul_fraction),
+                    "-" if row.io_bytes is None else _number(row.io_bytes / 1e6),
+                    "-" if gbps is None else _number(gbps), "-" if gbps is None else _percent(gbps / copy_gbps),
+                    "-" if row.max_abs_error is None else f"{row.max_abs_error:.2e}"]
+        text = line(where + measured) + " " + _kernels(row.kernels)
+        if row.host_bound:
+            text += f"  [host-bound: GPU work {_number(row.kernel_ms)} ms]"
+        if row.status != "ok":
+            text += f"  [{row.status}: {_shorten(row.reason or '', REASON_WIDTH)}]"
+        lines.append(text)
+    counts = Counter(row.status for row in result.rows)
+    lines += ["", f"{len(result.rows)} rows: " + ", ".join(f"{counts[s]} {s}" for s in ("ok", "skipped", "failed")),
+              "every schedule ran on the same inputs; %matmul = TFLOP/s / measured matmul ceiling; model MB = HBM "
+              "bytes the IO model counts (flashtile.iomodel: tiled; fa1's forward adds O, m, l per 64-key block), "
+              "not measured bytes; GB/s = those bytes / time, %copy = of the measured copy bandwidth; max err = "
+              "max |x - ref| vs float64 of out (fwd) or dq (fwd+bwd, bwd) on a sub-sample; fa2 and fa4 run kernels "
+              "of the same names (fa4 compiled with its constexprs)"]
+    return "\n".join(lines)
+
+
+def write_schedule_plot(path: str | Path, result: BenchResult) -> None:
+    """Draw the `--schedules` run to a PNG: one panel per cell (head dim, N, causal, mode), one bar per schedule
+    (TFLOP/s, GFLOP/s when no row reaches 1 TFLOP/s), each labelled with its rate and its max abs error against
+    float64; schedules that did not run are named under the panel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = result.rows
+    ok = [row for row in rows if row.status == "ok"]
+    cells = list(dict.fromkeys((row.headdim, row.seqlen_q, row.causal, row.mode) for row in rows))
+    schedules = list(dict.fromkeys(row.provider.removeprefix("schedule:") for row in rows))
+    scale, unit = (1.0, "TFLOP/s") if max((r.tflops for r in ok), default=0.0) >= 1 else (1e3, "GFLOP/s")
+    columns = min(len(cells), 3) or 1
+    panel_rows = -(-len(cells) // columns) or 1
+    figure = Figure(figsize=(4.2 * columns, 3.6 * panel_rows + 0.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(panel_rows, columns, squeeze=False).flatten()
+    for ax in axes[len(cells):]:
+        ax.set_visible(False)
+    for (headdim, seqlen, causal, mode), ax in zip(cells, axes):
+        here = {row.provider.removeprefix("schedule:"): row for row in rows
+                if (row.headdim, row.seqlen_q, row.causal, row.mode) == (headdim, seqlen, causal, mode)}
+        ran = [name for name in schedules if name in here and here[name].status == "ok"]
+        heights = [here[name].tflops * scale for name in ran]
+        bars = ax.bar(range(len(ran)), heights, color=[f"C{schedules.index(name) % 10}" for name in ran])
+        labels = [f"{_number(h)}\nerr {here[name].max_abs_error:.1e}" for h, name in zip(heights, ran)]
+        ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
+        ax.set_xticks(range(len(ran)), ran)
+        ax.set_ylabel(unit)
+        if heights:
+            ax.set_ylim(0, max(heights) * 1.3)
+        missing = [name for name in schedules if name not in ran]
+        title = f"{mode}, d {headdim}, N {_seqlen_label(seqlen)}, {'causal' if causal else 'non-causal'}"
+        ax.set_title(title, fontsize=9)
+        if missing:
+            ax.set_xlabel("did not run: " + ", ".join(missing), fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    header = result.header
+    figure.suptitle(f"flashtile's schedules, {header['dtype']} on {header['device_name']}: {unit} (higher is better) "
+                    f"and max abs error vs float64", fontsize=10)
     figure.savefig(path, format="png", dpi=120)

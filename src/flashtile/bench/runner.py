@@ -9,9 +9,9 @@ caches do not hold the previous call's operands.
 Each row (provider x shape x causal x mode) is measured as:
   - time: on CUDA the median of triton.testing.do_bench (which flushes L2 between runs), on the CPU
     the median of `flashtile._measure.median_time_ms`; after a warm-up;
-  - accuracy: ||x - ref|| / ||ref|| against float64 attention on a sub-sample (batch 0, the first
-    and last head, the last min(256, seqlen_q) query rows): of the output for "fwd", of dq for "bwd"
-    and "fwd+bwd" (a query row's dq depends on that row alone, so the sub-sample is exact);
+  - accuracy: ||x - ref|| / ||ref|| and max |x - ref| against float64 attention on a sub-sample (batch 0,
+    the first and last head, the last min(256, seqlen_q) query rows): of the output for "fwd", of dq for
+    "bwd" and "fwd+bwd" (a query row's dq depends on that row alone, so the sub-sample is exact);
   - peak memory growth during one call, and the names of the kernels (CUDA) or heaviest aten
     operators (CPU) that one call executed.
 A provider that cannot run a problem gives a "skipped" row with the reason; one that raises, or whose
@@ -19,7 +19,12 @@ kernels show it did not run what was asked, gives a "failed" row with the reason
 
 The header records the machine, the versions, and two ceilings measured at start: a large matmul in
 the benchmark dtype (TFLOP/s) and a device copy (GB/s, bytes read + written). Each row reports its
-fraction of the matmul ceiling and of the roofline bound that `flashtile.iomodel` predicts from them.
+fraction of the matmul ceiling and of the roofline bound that `flashtile.iomodel` predicts from them, with
+the HBM bytes that model counts for the row (the provider's `io_cost`; measured bytes need a hardware
+profiler, which the bench does not run).
+
+`make_config(schedules=True)` (`flashtile bench --schedules`) runs the schedules of flashtile's registry
+(schedule:fa1 ... schedule:fa4) instead of the peers, every one on the same inputs.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ import torch
 
 import flashtile
 from flashtile._measure import median_time_ms, peak_memory_growth_bytes, timed_kernels
-from flashtile.bench.providers import Forward, Problem, Provider, ProviderSkip, select_providers
-from flashtile.iomodel import MODES, AttentionShape, Roofline, benchmark_flops, cost, datasheet_roofline
+from flashtile.bench.providers import Forward, Problem, Provider, ProviderSkip, schedule_providers, select_providers
+from flashtile.iomodel import MODES, AttentionShape, Roofline, benchmark_flops, datasheet_roofline
 from flashtile.reference import attention_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -91,6 +96,13 @@ _QUICK = {
     "cuda": _GridDefaults(headdims=(128,), seqlens=(1024, 4096), modes=("fwd", "fwd+bwd"), tokens_per_batch=16384,
                           model_width=2048, timing=Timing(warmup_ms=5, rep_ms=20, cpu_repeats=3)),
 }
+# --schedules on the CPU: the schedules are Triton kernels, run by Triton's interpreter there (about a second for
+# a call of a few hundred tokens), so a tiny grid: one sequence of 32 tokens, 2 heads of 16
+_SCHEDULES_CPU = _GridDefaults(headdims=(16,), seqlens=(32,), modes=("fwd", "fwd+bwd"), tokens_per_batch=32,
+                               model_width=32, timing=Timing(warmup_ms=5, rep_ms=20, cpu_repeats=1))
+SCHEDULES_CPU_REASON = ("--schedules: the schedules are Triton kernels, which run on CPU tensors only under Triton's "
+                        "interpreter: set TRITON_INTERPRET=1 (its grid is tiny: d=16, N=32, one sequence of 2 heads; "
+                        "explicit --headdim / --seqlens still win), or use --device cuda")
 
 
 @dataclass(frozen=True)
@@ -143,7 +155,7 @@ def int_list(text: str, argument: str, low: int, high: int | None) -> tuple[int,
 def make_config(*, device: str | None = None, dtype: str | None = None, headdim: str | None = None,
                 seqlens: str | None = None, causal: str = "both", mode: str | None = None,
                 providers: str | None = None, quick: bool = False,
-                max_call_seconds: str | float | None = None) -> BenchConfig:
+                max_call_seconds: str | float | None = None, schedules: bool = False) -> BenchConfig:
     """Validate the command line's values (strings as typed, None = default) into a BenchConfig.
 
     Defaults: device cuda when available, else cpu; dtype bf16 on cuda, fp32 on cpu; the FlashAttention
@@ -151,7 +163,10 @@ def make_config(*, device: str | None = None, dtype: str | None = None, headdim:
     quick=True a small one (see `_QUICK`). Values given explicitly win over --quick's.
     max_call_seconds: rows whose single call takes longer are skipped with that reason (default
     DEFAULT_MAX_CALL_SECONDS; 0 means no limit).
-    Raises ValueError naming the argument for any bad value.
+    schedules: run the registry's schedules (providers.schedule_providers) instead of the providers; on the CPU
+    only under Triton's interpreter (TRITON_INTERPRET=1), on a tiny grid (_SCHEDULES_CPU) unless given one.
+    Raises ValueError naming the argument for any bad value, --schedules with --providers, and --schedules on the
+    CPU without the interpreter.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -166,6 +181,16 @@ def make_config(*, device: str | None = None, dtype: str | None = None, headdim:
     if causal not in CAUSAL_CHOICES:
         raise ValueError(f"--causal: {causal!r} is not one of {', '.join(CAUSAL_CHOICES)}")
     defaults = _QUICK[device] if quick else _FULL
+    if schedules:
+        if providers is not None:
+            raise ValueError("--schedules runs the registry's schedules; it cannot be combined with --providers "
+                             "(name schedule:fa1 ... schedule:fa4 in --providers instead)")
+        if device == "cpu":
+            from flashtile.triton.configs import interpreting
+
+            if not interpreting():
+                raise ValueError(SCHEDULES_CPU_REASON)
+            defaults = _SCHEDULES_CPU
     modes = defaults.modes
     if mode is not None:
         modes = tuple(dict.fromkeys(m.strip() for m in mode.split(",")))
@@ -177,7 +202,8 @@ def make_config(*, device: str | None = None, dtype: str | None = None, headdim:
         device=torch.device(device), dtype_name=dtype,
         headdims=defaults.headdims if headdim is None else int_list(headdim, "--headdim", 1, MAX_HEADDIM),
         seqlens=defaults.seqlens if seqlens is None else int_list(seqlens, "--seqlens", 1, None),
-        causal=CAUSAL_CHOICES[causal], modes=modes, providers=tuple(select_providers(names)),
+        causal=CAUSAL_CHOICES[causal], modes=modes,
+        providers=tuple(schedule_providers() if schedules else select_providers(names)),
         tokens_per_batch=defaults.tokens_per_batch, model_width=defaults.model_width, timing=defaults.timing,
         quick=quick, max_call_seconds=seconds_limit(max_call_seconds))
 
@@ -199,8 +225,9 @@ def seconds_limit(value: str | float | None) -> float | None:
 class Row:
     """One measurement. `status` is "ok", "skipped" or "failed" (with `reason`). Units: ms per call,
     TFLOP/s by `flashtile.iomodel.benchmark_flops`, fractions of the matmul ceiling and of the
-    roofline bound (predicted / measured time, by `io_model`), peak memory growth in MiB,
-    `rel_error` of `error_of` ("out" or "dq") against float64. On a GPU, `kernel_ms` is the device time of
+    roofline bound (predicted / measured time, by `io_model`), `io_bytes` the HBM bytes that model counts, peak
+    memory growth in MiB, `rel_error` and `max_abs_error` of `error_of` ("out" or "dq") against float64 on the
+    sub-sample. On a GPU, `kernel_ms` is the device time of
     one call's work from the profiler (kernels, copies and memsets summed): a row whose `ms` exceeds it by
     more than HOST_BOUND_MARGIN waited on the host (see `host_bound`)."""
 
@@ -225,6 +252,8 @@ class Row:
     error_of: str | None = None
     kernels: list[str] = field(default_factory=list)
     kernel_ms: float | None = None
+    max_abs_error: float | None = None
+    io_bytes: float | None = None
 
     @property
     def host_bound(self) -> bool:
@@ -466,12 +495,14 @@ class _Oracle:
         self.sets, self.sub = sets, Subsample.of(shape.seqlen_q, shape.nheads)
         self._cache: dict[bool, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def error(self, value: torch.Tensor, causal: bool, of: str) -> float:
+    def errors(self, value: torch.Tensor, causal: bool, of: str) -> tuple[float, float]:
+        """(relative error, max abs error) of `value` (out or dq, per `of`) on the sub-sample."""
         if causal not in self._cache:
             self._cache[causal] = subsample_reference(self.sub, self.sets[0], causal,
                                                       with_dq=self.sets[0].q.requires_grad)
         out, dq = self._cache[causal]
-        return relative_error(self.sub.take(value), out if of == "out" else dq)
+        actual, expected = self.sub.take(value), out if of == "out" else dq
+        return relative_error(actual, expected), (actual.double() - expected).abs().max().item()
 
 
 def _measure_row(row: Row, provider: Provider, problem: Problem, sets: list[InputSet], oracle: _Oracle,
@@ -486,9 +517,10 @@ def _measure_row(row: Row, provider: Provider, problem: Problem, sets: list[Inpu
         timed, checked = build_step(provider.prepare(problem), sets, problem.mode)
         # the first call also warms up (and compiles, for flex)
         row.error_of = "out" if problem.mode == "fwd" else "dq"
-        row.rel_error = oracle.error(checked(), shape.causal, row.error_of)
+        row.rel_error, row.max_abs_error = oracle.errors(checked(), shape.causal, row.error_of)
         if not math.isfinite(row.rel_error):
-            row.status, row.reason, row.rel_error = "failed", f"{row.error_of} has NaN or inf entries", None
+            row.status, row.reason = "failed", f"{row.error_of} has NaN or inf entries"
+            row.rel_error = row.max_abs_error = None
             return
         too_slow = call_limit_reason(timed, device, config.max_call_seconds)
         if too_slow is not None:
@@ -512,8 +544,9 @@ def _measure_row(row: Row, provider: Provider, problem: Problem, sets: list[Inpu
     row.tflops = benchmark_flops(shape, problem.mode) / seconds / 1e12
     row.matmul_fraction = row.tflops / ceilings.matmul_tflops
     row.io_model = provider.io_model
-    row.roofline_fraction = roofline.predicted_seconds(
-        cost(provider.io_model, shape, problem.mode, problem.dtype.itemsize)) / seconds
+    io_cost = provider.io_cost(shape, problem.mode, problem.dtype.itemsize)
+    row.io_bytes = io_cost.hbm_bytes
+    row.roofline_fraction = roofline.predicted_seconds(io_cost) / seconds
     distrust = provider.kernels_reason(row.kernels)
     if distrust is not None:
         row.status, row.reason = "failed", distrust

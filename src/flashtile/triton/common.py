@@ -245,9 +245,70 @@ def exp2_of_scores(s, shift, scale, SCALE_IN_EXP2: tl.constexpr):
     return p
 
 
+# 2^f for f in [-0.5, 0.5] as 1 + f (c1 + f (c2 + f c3)): a minimax cubic with p(0) = 1 exact, maximum relative
+# error 1.014e-4 (float32 evaluation included), below the rounding of P to fp16 (2^-11 = 4.9e-4) or bf16 (2^-9 =
+# 2.0e-3) for its matmul. The coefficients are float32 values; fwd_gluon._exp2_on_fma_units writes the same three in
+# PTX hex (0f3F317AFD, 0f3E780610, 0f3D6150CB; tests/test_fa4.py checks that they agree). docs/schedules.md.
+EXP2_POLY_COEFFICIENTS = (0.6932829022407532, 0.24221062660217285, 0.05500869080424309)  # c1, c2, c3
+EXP2_POLY_MAX_RELATIVE_ERROR = 1.015e-4
+
+
+@triton.jit
+def exp2_poly(x):
+    """2^x on the FMA units, without the exp2 (MUFU) instruction: x (float32, x < 128, -inf allowed) is clamped at
+    -127 and split as n + f, n = round(x) and f = x - n in [-0.5, 0.5]; 2^f by the cubic of EXP2_POLY_COEFFICIENTS;
+    n added into the float's exponent bits (bitcast). Relative error 1.0e-4 for x >= -126; from -127 down (and
+    -inf) the result is exactly 0 (f = 0 gives 1.0, whose biased exponent 127 drops to 0); between -127 and -126
+    (values below 2^-126, float32's subnormals) it is within 2^-126 of 2^x."""
+    x = tl.maximum(x, -127.0)
+    n = tl.floor(x + 0.5)
+    f = x - n
+    p = tl.fma(f, 0.05500869080424309, 0.24221062660217285)
+    p = tl.fma(p, f, 0.6932829022407532)
+    p = tl.fma(p, f, 1.0)
+    bits = p.to(tl.int32, bitcast=True) + (n.to(tl.int32) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp2_columns(x, POLY_EVERY: tl.constexpr):
+    """2^x of an (M, N) tile of float32, one column in POLY_EVERY (2, 4 or 8; columns j with j % POLY_EVERY ==
+    POLY_EVERY - 1) by exp2_poly on the FMA units and the others by exp2 (FlashAttention-4's split of the
+    exponentials between the two units); POLY_EVERY 0: every column by exp2. N is a multiple of POLY_EVERY."""
+    if POLY_EVERY == 0:
+        y = tl.exp2(x)
+    elif POLY_EVERY == 2:
+        # columns 2i + 1 by the polynomial
+        M: tl.constexpr = x.shape[0]
+        N: tl.constexpr = x.shape[1]
+        even, odd = tl.split(tl.reshape(x, (M, N // 2, 2)))
+        y = tl.reshape(tl.join(tl.exp2(even), exp2_poly(odd)), (M, N))
+    elif POLY_EVERY == 4:
+        # the odd columns' odd columns: 4i + 3
+        M: tl.constexpr = x.shape[0]
+        N: tl.constexpr = x.shape[1]
+        even, odd = tl.split(tl.reshape(x, (M, N // 2, 2)))
+        odd_even, odd_odd = tl.split(tl.reshape(odd, (M, N // 4, 2)))
+        odd = tl.reshape(tl.join(tl.exp2(odd_even), exp2_poly(odd_odd)), (M, N // 2))
+        y = tl.reshape(tl.join(tl.exp2(even), odd), (M, N))
+    else:
+        # columns 8i + 7
+        tl.static_assert(POLY_EVERY == 8, "one exponential in 2, 4 or 8 on the FMA units, or none")
+        M: tl.constexpr = x.shape[0]
+        N: tl.constexpr = x.shape[1]
+        even, odd = tl.split(tl.reshape(x, (M, N // 2, 2)))
+        odd_even, odd_odd = tl.split(tl.reshape(odd, (M, N // 4, 2)))
+        odd3_even, odd3_odd = tl.split(tl.reshape(odd_odd, (M, N // 8, 2)))
+        odd_odd = tl.reshape(tl.join(tl.exp2(odd3_even), exp2_poly(odd3_odd)), (M, N // 4))
+        odd = tl.reshape(tl.join(tl.exp2(odd_even), odd_odd), (M, N // 2))
+        y = tl.reshape(tl.join(tl.exp2(even), odd), (M, N))
+    return y
+
+
 @triton.jit
 def online_softmax_step(acc, l_i, m_i, s, v, scale, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
+                        RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0):
     """Fold one tile of scores s (M, N) and its values v (N, DV) into (acc, l, m); m is in base-2 units.
 
     s is in base-2 units, or with SCALE_IN_EXP2 the unscaled products (scores(..., UNSCALED=True)) that
@@ -255,21 +316,43 @@ def online_softmax_step(acc, l_i, m_i, s, v, scale, MASKED: tl.constexpr, MASK_K
     exponent (exp2_of_scores; with the max taken on the scaled tile the compiler cannot fuse the multiply). A
     positive scale keeps the max where it was.
     With a band mask (MASKED) or a user mask a row may have seen only -inf scores so far.
+
+    FlashAttention-4's two moves (the fa4 schedule; both 0 elsewhere, which compiles to the plain step):
+    RESCALE_THRESHOLD = t > 0: a row keeps its running max m while the block's max exceeds it by at most t (base-2
+    units), so that its acc and l are not rescaled (their factor is exactly 1); a larger rise moves m to the new
+    max. Every probability stays at most 2^t, and out = acc / l is exact because both use the same m. The acc
+    multiply is skipped for the whole tile when no row moved. EXP2_POLY_EVERY = n: one probability column in n by
+    exp2_poly (exp2_columns).
     """
     row_max = tl.max(s, 1)
     if SCALE_IN_EXP2:
         row_max = row_max * scale
-    m_new = tl.maximum(m_i, row_max)
+    if RESCALE_THRESHOLD > 0:
+        # move a row's max only when the block's max exceeds it by more than the threshold (-inf rows: any key)
+        m_new = tl.where(row_max > m_i + RESCALE_THRESHOLD, row_max, m_i)
+    else:
+        m_new = tl.maximum(m_i, row_max)
     if MASKED or MASK_KIND != 0:
         # a row that has seen only masked keys keeps max -inf: shift by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_shift = m_new
-    p = exp2_of_scores(s, m_shift[:, None], scale, SCALE_IN_EXP2)
+    if EXP2_POLY_EVERY == 0:
+        p = exp2_of_scores(s, m_shift[:, None], scale, SCALE_IN_EXP2)
+    elif SCALE_IN_EXP2:
+        p = exp2_columns(s * scale - m_shift[:, None], EXP2_POLY_EVERY)
+    else:
+        p = exp2_columns(s - m_shift[:, None], EXP2_POLY_EVERY)
     # rescale what was accumulated against the old max (0 on the first visible block)
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if RESCALE_THRESHOLD > 0:
+        # alpha is exactly 1 for the rows that kept their max: skip the multiply when every row did
+        if tl.max((m_new != m_i).to(tl.int32), 0) > 0:
+            acc = acc * alpha[:, None]
+        acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 

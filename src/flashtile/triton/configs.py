@@ -273,6 +273,11 @@ class TritonTiles:
     gluon_balanced: int = 0  # persistent grid: the launcher deals the tiles (longest first, least loaded CTA)
     gluon_exp2_emulated: int = 0  # GluonTile.exp2_emulated; never chosen by the table (it measured slower)
     gluon_across_tiles: int = 0  # GluonTile.across_tiles
+    # FlashAttention-4's moves in the Triton forwards (fwd.py, fwd_tma.py), set by the fa4 schedule only (0 elsewhere):
+    # a row's running max kept while a block raises it by at most rescale_threshold (base 2; 0: always moved), and
+    # one probability column in exp2_poly_every (2, 4 or 8; 0 none) by a cubic on the FMA units
+    rescale_threshold: int = 0
+    exp2_poly_every: int = 0
     # the schedule a caller forced (use_backend(..., schedule=...) or FLASHTILE_SCHEDULE), as SCHEDULE_CODES[name];
     # 0: the table's choice. An int like every other field, so that the tiles travel as a list of ints (the custom
     # ops, the resolution cache); not a tile setting (TILE_KEYS leaves it out)
@@ -308,6 +313,14 @@ class TritonTiles:
         triton_forward = (f"forward ({FORWARD_SCHEDULES[self.forward_schedule if self.forward_schedule < 3 else 1]}) "
                           f"BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps, "
                           f"{self.num_stages} stages{registers}")
+        if self.rescale_threshold or self.exp2_poly_every:
+            moves = []
+            if self.rescale_threshold:
+                moves.append(f"a row's max moved only when a block raises it by more than {self.rescale_threshold} "
+                             f"(base 2, a factor {2 ** self.rescale_threshold})")
+            if self.exp2_poly_every:
+                moves.append(f"one exponential in {self.exp2_poly_every} by a cubic on the FMA units")
+            triton_forward += f", with FlashAttention-4's moves: {'; '.join(moves)}"
         forward = triton_forward
         if self.forced_schedule == SCHEDULE_CODES["fa1"]:
             forward = (f"forward (attention_fwd_fa1_kernel, key blocks outer, O / m / l through global memory) "
@@ -363,7 +376,17 @@ BACKWARD_SCHEDULES = {
 GLUON_BACKWARD_SCHEDULES = (4,)  # the Gluon dK/dV kernel; where it does not serve a call, schedule 2 runs
 
 # the schedules of the registry (flashtile.schedules) as TritonTiles.forced_schedule encodes them; 0 is none
-SCHEDULE_CODES = {"fa1": 1, "fa2": 2, "fa3": 3, "decode": 4}
+SCHEDULE_CODES = {"fa1": 1, "fa2": 2, "fa3": 3, "fa4": 4, "decode": 5}
+# the fa4 schedule's settings (TritonTiles.rescale_threshold, exp2_poly_every; docs/schedules.md): FlashAttention-4's
+# threshold of 8 (a factor 256), and one exponential in 4 on the FMA units where P is rounded to fp16 / bf16 for its
+# matmul (the cubic's 1.0e-4 relative error lies below that rounding; fp32 keeps P in fp32, and every exponential
+# on the exp2 unit). Neither is measured on a GPU.
+FA4_RESCALE_THRESHOLD = 8
+FA4_EXP2_POLY_EVERY = 4
+# at most 15: probabilities up to 2^15 stay finite in fp16 (65,504) when P is rounded for its matmul
+MAX_RESCALE_THRESHOLD = 15
+EXP2_POLY_CHOICES = (0, 2, 4, 8)
+FA4_KEYS = ("rescale_threshold", "exp2_poly_every")  # tile settings that only the fa4 schedule takes
 SCHEDULE_NAMES = {code: name for name, code in SCHEDULE_CODES.items()}
 
 TILE_KEYS = tuple(key for key in TritonTiles.__dataclass_fields__ if key != "forced_schedule")
@@ -489,6 +512,20 @@ def portable_tiles(problem: AttentionProblem, capability: tuple[int, int] | None
     attention_fwd_tma_kernel (schedule 1) on sm_90 for fp16 / bf16 with head dims up to 128, attention_fwd_kernel
     (schedule 0) elsewhere."""
     return _triton_tiles(problem, capability)
+
+
+def fa4_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
+    """The fa4 schedule's settings: the fa2 schedule's (portable_tiles) with FlashAttention-4's moves,
+    FA4_RESCALE_THRESHOLD and, for fp16 / bf16, FA4_EXP2_POLY_EVERY (fp32 keeps P in fp32 for its matmul, where the
+    cubic's 1.0e-4 would exceed the rounding: every exponential on the exp2 unit). On a GPU, 128-key blocks take 2
+    stages instead of 3: splitting the score tile into its columns (tl.split / tl.join in common.exp2_columns)
+    converts layouts through shared memory, and the d = 128 forward's 128 x 128 tile needed 262,200 bytes with 3
+    stages (triton 3.6, sm_90), over sm_90's 232,448; 196,640 with 2. Not measured on a GPU."""
+    tiles = portable_tiles(problem, capability)
+    every = FA4_EXP2_POLY_EVERY if problem.dtype in (torch.float16, torch.bfloat16) else 0
+    stages = 2 if capability is not None and every and tiles.block_n >= 128 else tiles.num_stages
+    return dataclasses.replace(tiles, rescale_threshold=FA4_RESCALE_THRESHOLD, exp2_poly_every=every,
+                               num_stages=min(stages, tiles.num_stages))
 
 
 def _triton_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:

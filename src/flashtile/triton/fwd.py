@@ -20,6 +20,10 @@ alignment (diagonal_offset), softcap, ALiBi, boolean / additive masks with any s
 for broadcast), int64 offsets, and packed variable-length batches (VARLEN: batch entry b is the
 sequence cu_seqlens[b] .. cu_seqlens[b + 1] of the packed tensors; its programs exit or loop by
 the sequence's real length, so work follows the real tokens and max_seqlen is only a grid hint).
+FlashAttention-4's moves (the fa4 schedule; 0 for every other, which compiles to the plain loop):
+RESCALE_THRESHOLD = t keeps a row's running max while a block raises it by at most t (base 2), so acc and l are
+not rescaled for that block; EXP2_POLY_EVERY = n computes one probability column in n by a cubic on the FMA units
+(common.online_softmax_step, docs/schedules.md).
 Limitations: no dropout; fp64 is left to the torch backend.
 """
 
@@ -38,7 +42,7 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    SCALE_IN_EXP2: tl.constexpr):
+                    SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, EXP2_POLY_EVERY: tl.constexpr):
     # MASKED ranges may run past the keys; the interior range never does, so its loads go unmasked
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -53,7 +57,7 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
         v = load_tile(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
                       key_ok[:, None], offs_dv[None, :] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, score_scale, MASKED, MASK_KIND, DOT_PRECISION,
-                                            SCALE_IN_EXP2)
+                                            SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
     return acc, l_i, m_i
 
 
@@ -67,7 +71,7 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk
                          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                          HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         SCALE_IN_EXP2: tl.constexpr):
+                         SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, EXP2_POLY_EVERY: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head): Q, K, V, Out point at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -89,17 +93,20 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk
                                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
-                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2)
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2,
+                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT,
-                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2)
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2,
+                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
-                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2)
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2,
+                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY)
 
     out, lse = finish_rows(acc, l_i, m_i)
     tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
@@ -122,6 +129,7 @@ def attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
+    RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0,
 ):
     tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
     pid_m, pid_bh = program_coordinates(query_programs)
@@ -144,7 +152,7 @@ def attention_fwd_kernel(
                                  stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                 DOT_PRECISION, SCALE_IN_EXP2)
+                                 DOT_PRECISION, SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
     else:
         _forward_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, q_start, k_start, b, h, hk,
                              slope, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om,
@@ -152,4 +160,4 @@ def attention_fwd_kernel(
                              stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                              diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                             SCALE_IN_EXP2)
+                             SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)

@@ -48,8 +48,8 @@ on an H200; within -2.5% .. +1% at 1k and 4k; docs/schedules.md).
 Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
 multiples of 8 for 2-byte dtypes), a non-empty key tensor, no user mask (masks keep to fwd.py).
-Everything else (band, softcap, ALiBi, GQA, dv != d, both alignments) is as in fwd.py; the kernel
-writes the same out and lse.
+Everything else (band, softcap, ALiBi, GQA, dv != d, both alignments, FlashAttention-4's RESCALE_THRESHOLD and
+EXP2_POLY_EVERY of the fa4 schedule) is as in fwd.py; the kernel writes the same out and lse.
 """
 
 import triton
@@ -66,7 +66,8 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                        VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+                        VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
+                        EXP2_POLY_EVERY: tl.constexpr):
     """Key blocks [start, end): MASKED 0 none masked, 1 all masked, 2 those from masked_from on (a runtime
     branch, so that interior blocks and the right edge share one pipelined loop)."""
     for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -86,7 +87,7 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_
             # are masked, but 0 * inf would still reach the output, so those value rows become zeros
             v = tl.where((offs_n < seqlen_k)[:, None], v, 0.0)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, score_scale, MASKED != 0, 0, DOT_PRECISION,
-                                            SCALE_IN_EXP2)
+                                            SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
     return acc, l_i, m_i
 
 
@@ -100,7 +101,8 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                              MASK_ALL: tl.constexpr, VARLEN: tl.constexpr, SEPARATE_RAGGED_END: tl.constexpr,
-                             SCALE_IN_EXP2: tl.constexpr):
+                             SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
+                             EXP2_POLY_EVERY: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head); Out points at the entry's row 0, the descriptors'
     rows of this entry start at q_start / k_start (common.descriptor_origin)."""
     b32, q_row0 = descriptor_origin(b, q_start, VARLEN)
@@ -132,25 +134,29 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                                             diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
                                             MASK_ALL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True,
-                                            VARLEN, SCALE_IN_EXP2)
+                                            VARLEN, SCALE_IN_EXP2,
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
     else:
         if HAS_LEFT:
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo,
                                                 tl.minimum(full_lo, hi), lo, seqlen_q, seqlen_k, score_scale,
                                                 softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                                 window_right, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT,
-                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2)
+                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2,
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
         if VARLEN or (SEPARATE_RAGGED_END and not HAS_RIGHT):
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
                                                 full_lo, full_hi, full_hi, seqlen_q, seqlen_k, score_scale,
                                                 softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                                 window_right, BLOCK_N, BLOCK_D, BLOCK_DV, 0, HAS_LEFT, HAS_RIGHT,
-                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2)
+                                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2,
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
                                                 full_hi, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,
                                                 softcap_out, slope, diagonal_offset, window_left, window_right,
                                                 BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2)
+                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2,
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
         else:
             # the interior and the right edge (the band's or the keys' ragged end) in one loop, the edge masked
             # by a runtime branch: as two loops the edge's first copies would wait behind the interior loop's
@@ -160,7 +166,8 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                                                 full_lo, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,
                                                 softcap_out, slope, diagonal_offset, window_left, window_right,
                                                 BLOCK_N, BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2)
+                                                HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2,
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
 
     out, lse = finish_rows(acc, l_i, m_i)
     tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
@@ -182,6 +189,7 @@ def attention_fwd_tma_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr, VARLEN: tl.constexpr,
     SEPARATE_RAGGED_END: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
+    RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0,
 ):
     tl.static_assert(not (VARLEN and WARP_SPECIALIZE), "packed sequences take the forward without warp specialization")
     pid_m, pid_bh = program_coordinates(query_programs)
@@ -206,7 +214,7 @@ def attention_fwd_tma_kernel(
                                      diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                                      BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                      DOT_PRECISION, False, MASK_ALL, True, SEPARATE_RAGGED_END,
-                                     SCALE_IN_EXP2)
+                                     SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
     else:
         _forward_query_block_tma(pid_m * BLOCK_M, Q, q_desc, k_desc, v_desc, o_ptr, Lse, b, h, hk, q_start, k_start,
                                  slope, stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
@@ -214,4 +222,4 @@ def attention_fwd_tma_kernel(
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
                                  WARP_SPECIALIZE, MASK_ALL, False, SEPARATE_RAGGED_END,
-                                 SCALE_IN_EXP2)
+                                 SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)

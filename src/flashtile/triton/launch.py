@@ -281,8 +281,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
              slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen,
-            SEPARATE_RAGGED_END=bool(tiles.forward_separate_ragged_end),
-            **_register_cap(tiles.forward_max_registers), **flags)
+            SEPARATE_RAGGED_END=bool(tiles.forward_separate_ragged_end), RESCALE_THRESHOLD=tiles.rescale_threshold,
+            EXP2_POLY_EVERY=tiles.exp2_poly_every, **_register_cap(tiles.forward_max_registers), **flags)
         return out, lse
     launch(
         attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, mask, cu_q, cu_k),
@@ -290,7 +290,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
          lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
          p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        VARLEN=varlen, **flags)
+        VARLEN=varlen, RESCALE_THRESHOLD=tiles.rescale_threshold, EXP2_POLY_EVERY=tiles.exp2_poly_every, **flags)
     return out, lse
 
 
