@@ -13,6 +13,12 @@ partition of `gl.warp_specialize`:
   registers, then dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ and dSᵀ converted in registers to the wgmma's A operand.
   Once its query blocks are done a consumer stages dK (times the softmax scale) and dV in its K and V buffers and
   stores them by TMA.
+- OVERLAP (intra-warpgroup overlap, opt-in: gluon_backward_overlap): a consumer issues Sᵀ and dPᵀ of query block
+  j + 1 before dV and dK of block j and waits for the two score matmuls alone (`warpgroup_mma_wait(2)`), so that
+  block j + 1's Pᵀ and dSᵀ are formed under block j's dV and dK; block j's Q / dO stage is released once those are
+  complete (a consumer holds two stages, so the ring has three). The query blocks of all the group's heads form
+  one sequence, with the first block alone before it and the last block's dV and dK after it. The additions into
+  dK and dV keep their order. Not served with 128-wide heads and a band, where it spills.
 dQ and delta come from bwd.py's dQ kernel, which runs first (backward schedule 4: every gradient bitwise
 reproducible).
 
