@@ -1,11 +1,15 @@
 """The Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py) on an H200: gradients against the float64 oracle with
 bitwise reruns, and backward times beside the table's Triton backward, cuDNN and FA2 (SDPA's flash backend).
 
-    python benchmarks/gluon_backward.py check          # small and ragged cases, bf16 and fp16: dq, dk, dv (through
-                                                       # out and lse) within 2x the eager error; a rerun bitwise equal
+    python benchmarks/gluon_backward.py check          # small and ragged cases, bf16 and fp16, schedule 4 without
+                                                       # and with the intra-warpgroup overlap (gluon_backward_overlap,
+                                                       # where it serves the case): dq, dk, dv (through out and lse)
+                                                       # within 2x the eager error; a rerun bitwise equal; whether the
+                                                       # two settings give the same bits (reported, not required)
     python benchmarks/gluon_backward.py time [CELLS]   # backward alone on the 12-cell grid (or CELLS like
-                                                       # d128n4096c1,d64n1024c0): schedule 4, the table's schedule,
-                                                       # cuDNN, FA2; TFLOP/s and the kernels' names from the profiler
+                                                       # d128n4096c1,d64n1024c0): schedule 4 without and with the
+                                                       # overlap, the table's schedule, cuDNN, FA2; TFLOP/s and the
+                                                       # kernels' names from the profiler
     python benchmarks/gluon_backward.py reruns N       # N forward + backward reruns of two shapes under schedule 4:
                                                        # no NaN, no changed bit
 
@@ -55,14 +59,17 @@ def _inputs(shape, dtype, seed, scale_q=1.0):
             make(batch, seqlen_k, nheads_k, headdim_v).requires_grad_())
 
 
-def _grads(q, k, v, grad_out, grad_lse, options, schedule=None):
+OVERLAP_SETTINGS = ((0, "gluon"), (1, "gluon overlap"))  # gluon_backward_overlap, the name a row gives it
+
+
+def _grads(q, k, v, grad_out, grad_lse, options, schedule=None, overlap=0):
     """dq, dk, dv of <out, grad_out> + <lse, grad_lse> (rows that see no key left out of the lse term)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the opt-in schedule's warning
         if schedule is None:
             out, lse = flash_attn_reference(q, k, v, **options)
         else:
-            with flashtile.use_backend("triton", backward_schedule=schedule):
+            with flashtile.use_backend("triton", backward_schedule=schedule, gluon_backward_overlap=overlap):
                 out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **options)
         lse = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
         loss = (out.double() * grad_out).sum() + (lse.double() * grad_lse).sum()
@@ -75,31 +82,40 @@ def check() -> bool:
         for seed, (name, (shape, options)) in enumerate(CASES.items()):
             options = dict(options)
             q, k, v = _inputs(shape, dtype, seed, options.pop("scale_q", 1.0))
-            with flashtile.use_backend("triton", backward_schedule=4):
-                text = flashtile.explain(q, k, v, **options)
-            if "attention_bwd_dkdv_gluon_kernel (Gluon" not in text:
-                print(f"{name} {dtype}: the Gluon dK/dV kernel does not serve it: {text}", flush=True)
-                ok = False
-                continue
             out = flash_attn_reference(q.detach(), k.detach(), v.detach(), **options)[0]
             grad_out = torch.randn(out.shape, device=DEVICE, dtype=torch.float64)
             grad_lse = torch.randn(out.shape[0], out.shape[2], out.shape[1], device=DEVICE, dtype=torch.float64)
-            got = _grads(q, k, v, grad_out, grad_lse, options, schedule=4)
-            again = _grads(q, k, v, grad_out, grad_lse, options, schedule=4)
             q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
             want = _grads(q64, k64, v64, grad_out, grad_lse, options)
             eager = _grads(q, k, v, grad_out, grad_lse, dict(options, dtype=dtype))
-            failed = []
-            for what, g, a, w, e in zip(("dq", "dk", "dv"), got, again, want, eager):
-                floor = 2 * torch.finfo(dtype).eps * max(1.0, w.abs().max().item() if w.numel() else 1.0)
-                if not _error(g, w) <= 2 * _error(e, w) + floor:
-                    failed.append(f"{what} {_error(g, w):.2e} > 2 x {_error(e, w):.2e}")
-                if not torch.isfinite(g).all():
-                    failed.append(f"{what} not finite")
-                if not torch.equal(g, a):
-                    failed.append(f"{what}: a rerun changed bits")
-            print(f"{name} {dtype}: {'ok' if not failed else 'FAILED ' + '; '.join(failed)}", flush=True)
-            ok &= not failed
+            results = {}
+            for overlap, setting in OVERLAP_SETTINGS:
+                with flashtile.use_backend("triton", backward_schedule=4, gluon_backward_overlap=overlap):
+                    text = flashtile.explain(q, k, v, **options)
+                if "attention_bwd_dkdv_gluon_kernel (Gluon" not in text:
+                    # the overlap does not serve every case (configs.gluon_backward_unserved_reason says why)
+                    print(f"{name} {dtype} {setting}: the Gluon dK/dV kernel does not serve it: {text}", flush=True)
+                    ok &= bool(overlap)
+                    continue
+                got = _grads(q, k, v, grad_out, grad_lse, options, schedule=4, overlap=overlap)
+                again = _grads(q, k, v, grad_out, grad_lse, options, schedule=4, overlap=overlap)
+                failed = []
+                for what, g, a, w, e in zip(("dq", "dk", "dv"), got, again, want, eager):
+                    floor = 2 * torch.finfo(dtype).eps * max(1.0, w.abs().max().item() if w.numel() else 1.0)
+                    if not _error(g, w) <= 2 * _error(e, w) + floor:
+                        failed.append(f"{what} {_error(g, w):.2e} > 2 x {_error(e, w):.2e}")
+                    if not torch.isfinite(g).all():
+                        failed.append(f"{what} not finite")
+                    if not torch.equal(g, a):
+                        failed.append(f"{what}: a rerun changed bits")
+                results[overlap] = got
+                same = ""
+                if overlap and 0 in results:
+                    same = ", bits as without overlap: " + ("same" if all(
+                        torch.equal(a, b) for a, b in zip(got, results[0])) else "differ")
+                print(f"{name} {dtype} {setting}: {'ok' if not failed else 'FAILED ' + '; '.join(failed)}{same}",
+                      flush=True)
+                ok &= not failed
     return ok
 
 
@@ -125,9 +141,14 @@ def timing(cells) -> None:
                 out = torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
             row[name] = flops / _bench(backward_of(out)) / 1e9
-        for schedule, name in ((None, "table"), (4, "gluon")):
-            settings = {} if schedule is None else {"backward_schedule": schedule}
+        runs = [({}, "table")] + [({"backward_schedule": 4, "gluon_backward_overlap": overlap}, setting)
+                                  for overlap, setting in OVERLAP_SETTINGS]
+        for settings, name in runs:
             with flashtile.use_backend("triton", **settings):
+                if settings and "attention_bwd_dkdv_gluon_kernel (Gluon" not in flashtile.explain(q, k, v,
+                                                                                                  causal=causal):
+                    row[name] = "not served (explain() says why)"
+                    continue
                 out = flashtile.flash_attn_func(q, k, v, causal=causal)
                 row[name] = flops / _bench(backward_of(out)) / 1e9
                 row[f"{name} kernels"] = [kernel for kernel, _ in timed_kernels(backward_of(out), DEVICE)]

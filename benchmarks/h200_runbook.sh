@@ -109,12 +109,12 @@ case $stage in
     tail -2 "$out/tests.txt"; grep -h "^FAILED\|^ERROR" "$out/tests.txt" | head; grep -h "stress\|differs\|reruns" \
       "$out"/stress*.txt; grep -h "SUMMARY\|FAILED" "$out"/gluon-*check.txt "$out"/racecheck-control-*.txt ;;
   gluonbwd)
-    FLASHTILE_TEST_DEVICE=cuda timeout 150 python -m pytest -q -n 8 -p no:cacheprovider -rfE tests/test_gpu.py \
+    FLASHTILE_TEST_DEVICE=cuda timeout 240 python -m pytest -q -n 8 -p no:cacheprovider -rfE tests/test_gpu.py \
       -k gluon_backward > "$out/gluon-backward-tests.txt" 2>&1
     tail -2 "$out/gluon-backward-tests.txt"; grep -h "^FAILED\|^ERROR" "$out/gluon-backward-tests.txt" | head
-    timeout 120 python benchmarks/gluon_backward.py check > "$out/gluon-backward-check.txt" 2>&1
+    timeout 240 python benchmarks/gluon_backward.py check > "$out/gluon-backward-check.txt" 2>&1
     grep -c ": ok" "$out/gluon-backward-check.txt"; grep -h "FAILED\|serve" "$out/gluon-backward-check.txt" | head
-    timeout 200 python benchmarks/gluon_backward.py time > "$out/$date-h200-gluon-backward-grid.jsonl" 2>&1
+    timeout 300 python benchmarks/gluon_backward.py time > "$out/$date-h200-gluon-backward-grid.jsonl" 2>&1
     cut -c1-200 "$out/$date-h200-gluon-backward-grid.jsonl"
     timeout 90 python benchmarks/gluon_backward.py reruns 300 > "$out/gluon-backward-reruns.txt" 2>&1
     cat "$out/gluon-backward-reruns.txt" ;;

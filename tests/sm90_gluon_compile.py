@@ -6,10 +6,12 @@ runs on CPU tensors with a recorder in place of the launch, each recorded launch
 sm_90 target and compiled by Gluon's front end and ptxas. Run in a subprocess by tests/test_gluon_compile.py, once
 with the Triton the H200 has (3.6.0, from a side directory on PYTHONPATH) and once with the installed one.
 
-    python tests/sm90_gluon_compile.py
+    python tests/sm90_gluon_compile.py             # every variant
+    python tests/sm90_gluon_compile.py backward    # the dK/dV kernel's variants alone
 
 prints one JSON line per variant: its label, the constexprs that name it, whether the PTX has wgmma (and which
-wait depths), setmaxnreg, TMA copies, the registers and spill bytes ptxas reports, the shared memory, or the error.
+wait depths), setmaxnreg, TMA copies, the registers and spill bytes ptxas reports (and whether it serialised the
+wgmma), the shared memory, or the error.
 """
 
 from __future__ import annotations
@@ -122,10 +124,11 @@ def recorded_gluon_launch(problem, tile):
 
 
 def backward_problems():
-    """(label, problem) for the Gluon dK/dV kernel (backward schedule 4), one per distinct variant that
+    """(label, problem, overlap) for the Gluon dK/dV kernel (backward schedule 4), one per distinct variant that
     configs.gluon_backward_unserved_reason lets through: both query-block sizes (64 rows at d = 64, 32 where a width
-    is 128), causal and windows, GQA / MQA with ragged ends, dv != d, fp16."""
-    return [
+    is 128), causal and windows, GQA / MQA with ragged ends, dv != d, fp16; each without and with the
+    intra-warpgroup overlap (gluon_backward_overlap) where it serves the problem."""
+    problems = [
         ("bwd bf16 d64", problem_for(1024, 1024, 64, 64, torch.bfloat16, False)),
         ("bwd fp16 d64 ragged causal MQA", problem_for(1000, 900, 64, 64, torch.float16, True, nheads=8, nheads_k=1)),
         ("bwd bf16 d128 causal", problem_for(1024, 1024, 128, 128, torch.bfloat16, True)),
@@ -138,9 +141,13 @@ def backward_problems():
             window_right=20)),
         ("bwd fp16 d128", problem_for(1024, 1024, 128, 128, torch.float16, False)),
     ]
+    cases = [(label, problem, False) for label, problem in problems]
+    cases += [(f"{label} overlap", problem, True) for label, problem in problems
+              if not configs._backward_overlap_reason(problem)]
+    return cases
 
 
-def recorded_gluon_backward_launch(problem):
+def recorded_gluon_backward_launch(problem, overlap=False):
     """The launch of the Gluon dK/dV kernel for `problem` (dense), recorded on CPU tensors."""
     p = problem
     q = torch.zeros(p.batch, p.seqlen_q, p.nheads, p.headdim, dtype=p.dtype)
@@ -151,7 +158,7 @@ def recorded_gluon_backward_launch(problem):
     _, _, _, _, scalars, flags = launchers._score_args(q, None, None, p)
     with recorded_launches() as recorded:
         launchers._launch_dkdv_gluon(q, k, v, grad_out, lse, torch.zeros_like(lse), torch.zeros_like(k),
-                                     torch.zeros_like(v), p, scalars, flags)
+                                     torch.zeros_like(v), p, scalars, flags, overlap)
     (launch,) = recorded
     return launch
 
@@ -178,7 +185,8 @@ def ptxas_report(ptx: str) -> dict:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if not spills:
         return {"ptxas": log[-500:]}
-    return {"spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2))}
+    return {"spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
 
 
 def report(label, recorded) -> dict:
@@ -198,17 +206,17 @@ def report(label, recorded) -> dict:
                 tma="cp.async.bulk.tensor" in ptx, **ptxas_report(ptx))
 
 
-def main() -> int:
+def main(backward_only: bool = False) -> int:
     failed = False
     seen = set()
     jobs = []
-    for label, problem in table_problems():
+    for label, problem in [] if backward_only else table_problems():
         tiles = configs.default_tiles(problem, (9, 0))
         if tiles.forward_schedule != 3:
             print(json.dumps({"label": label, "table": "the Triton forward"}), flush=True)
             continue
         jobs.append((label, problem, tiles.gluon_tile))
-    jobs += extra_tiles()
+    jobs += [] if backward_only else extra_tiles()
     for label, problem, tile in jobs:
         recorded = recorded_gluon_launch(problem, tile)
         key = (tuple(sorted(recorded.options.items())), recorded.arguments[0].base.dtype,
@@ -219,12 +227,12 @@ def main() -> int:
         row = report(label, recorded)
         failed |= "error" in row
         print(json.dumps(row), flush=True)
-    for label, problem in backward_problems():
-        row = dict(report(label, recorded_gluon_backward_launch(problem)), kernel="dkdv")
+    for label, problem, overlap in backward_problems():
+        row = dict(report(label, recorded_gluon_backward_launch(problem, overlap)), kernel="dkdv")
         failed |= "error" in row
         print(json.dumps(row), flush=True)
     return int(failed)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(backward_only=sys.argv[1:] == ["backward"]))

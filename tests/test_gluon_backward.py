@@ -51,6 +51,62 @@ def test_its_query_blocks_are_64_rows_at_d64_and_32_where_a_head_is_128_wide():
         (64, 2), (32, 2), (32, 2), (32, 2), (64, 2))
 
 
+def test_with_the_overlap_the_ring_has_three_stages():
+    """A consumer holds two query blocks' stages at once (the previous block's dV and dK read them under the next
+    block's scores): a third stage lets the block after load meanwhile."""
+    tile = lambda d: configs.gluon_backward_tile(problem_for(1024, 1024, d, d, torch.bfloat16, False), True)  # noqa
+    assert (tile(64), tile(128)) == ((64, 3), (32, 3))
+
+
+OVERLAP_SPILLS = ("the intra-warpgroup overlap (gluon_backward_overlap) with 128-wide heads (d and dv) and a band "
+                  "(causal or a window) spills registers; it serves head width 64, widths 64 / 128 apart, and 128-wide "
+                  "heads without a band")
+
+
+@pytest.mark.parametrize("headdim, headdim_v, causal, window, reason", [
+    (64, 64, True, None, ""),
+    (64, 64, False, (100, 20), ""),
+    (128, 64, True, None, ""),
+    (64, 128, False, (100, 20), ""),
+    (128, 128, False, None, ""),
+    (96, 96, False, None, ""),
+    (128, 128, True, None, OVERLAP_SPILLS),
+    (96, 72, False, (100, 20), OVERLAP_SPILLS),
+    (128, 128, False, (-1, 0), OVERLAP_SPILLS)])
+def test_the_overlap_names_where_it_does_not_serve(monkeypatch, headdim, headdim_v, causal, window, reason):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, headdim, headdim_v, torch.bfloat16, causal),
+                                  device=torch.device("cuda"))
+    if window is not None:
+        problem = dataclasses.replace(problem, window_left=window[0], window_right=window[1])
+    assert configs.gluon_backward_unserved_reason(problem, overlap=True) == reason
+    assert configs.gluon_backward_unserved_reason(problem) == ""  # without the overlap it serves every one
+
+
+def test_the_overlap_is_off_unless_forced_and_its_setting_is_checked():
+    assert configs.TritonTiles(16, 16, 4, 1, 16, 16, 4, 1).gluon_backward_overlap == 0
+    for headdim in (64, 128):
+        for causal in (False, True):
+            problem = problem_for(4096, 4096, headdim, headdim, torch.bfloat16, causal)
+            assert configs.default_tiles(problem, HOPPER).gluon_backward_overlap == 0
+    with pytest.raises(ValueError, match="tile setting gluon_backward_overlap must be 0 or 1, got 2"):
+        with flashtile.use_backend("triton", gluon_backward_overlap=2):
+            pass
+
+
+def test_explain_names_the_overlap_where_forced_and_why_it_does_not_serve(monkeypatch):
+    _on_a_hopper(monkeypatch)
+    served = dataclasses.replace(problem_for(4096, 4096, 64, 64, torch.bfloat16, True), device=torch.device("cuda"))
+    tiles = dataclasses.replace(configs.default_tiles(served, HOPPER), backward_schedule=4, gluon_backward_overlap=1)
+    assert ("128 keys per CTA against 64 query rows per block, 3 Q / dO stages, the next query block's score matmuls "
+            "issued before each block's dV and dK (intra-warpgroup overlap), one CTA per key block; dQ programs"
+            in tiles.describe(served))
+    assert "(intra-warpgroup overlap)" not in dataclasses.replace(tiles, gluon_backward_overlap=0).describe(served)
+    unserved = dataclasses.replace(served, headdim=128, headdim_v=128)
+    assert (f"backward: the Gluon dK/dV kernel does not serve this call ({OVERLAP_SPILLS}), so backward "
+            "(attention_bwd_dq_kernel") in tiles.describe(unserved)
+
+
 @pytest.mark.parametrize("headdim", (64, 128))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_the_table_does_not_pick_it_before_it_is_measured(headdim, causal):
@@ -78,7 +134,7 @@ def test_a_call_it_turns_away_runs_backward_schedule_2_and_explain_says_why(seed
     grads = {}
     for schedule in (4, 2):
         with flashtile.use_backend("triton", backward_schedule=schedule, block_m=16, block_n=16, bwd_block_m=16,
-                                   bwd_block_n=16):
+                                   bwd_block_n=16, gluon_backward_overlap=int(schedule == 4)):
             text = flashtile.explain(q, k, v, causal=True)
             out = flashtile.flash_attn_func(q, k, v, causal=True)
             grads[schedule] = torch.autograd.grad(out, (q, k, v), grad_out)

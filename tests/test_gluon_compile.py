@@ -1,8 +1,9 @@
 """The Gluon forward compiles for Hopper (sm_90), without a GPU, in every variant the tile table can pick, and the
 Gluon dK/dV kernel in its variants: with the Triton the H200 has (3.6.0, installed into a side directory on first
 use) and with the installed Triton. Gluon does not run in Triton's interpreter, so this is CI's check of it: the PTX
-uses wgmma (with the overlap's wait depth 1), setmaxnreg hands the consumers 240 registers and the load warps 24,
-TMA moves the tiles, ptxas spills nothing, and the shared memory fits an H200."""
+uses wgmma (with the overlap's wait depth 1, 2 in the dK/dV kernel), setmaxnreg hands the consumers 240 registers
+and the load warps 24, TMA moves the tiles, ptxas spills nothing and serialises no wgmma, and the shared memory fits
+an H200."""
 
 from __future__ import annotations
 
@@ -61,8 +62,13 @@ def test_every_variant_compiles_with_hopper_matmuls_and_copies(compiled):
     for row in variants:
         assert "error" not in row, f"{row['label']}: {row.get('error')}"
         assert row["wgmma"] and row["tma"], f"{row['label']}: wgmma {row['wgmma']}, TMA {row['tma']}"
-        overlap = row["constexprs"].get("OVERLAP", False)  # the dK/dV kernel waits for all its matmuls
-        assert row["wait_depths"] == ([0, 1] if overlap else [0]), f"{row['label']}: waits {row['wait_depths']}"
+        # with the overlap the forward waits for its score matmul alone (one P V in flight), the dK/dV kernel for its
+        # two score matmuls alone (dV and dK in flight)
+        overlap = row["constexprs"].get("OVERLAP", False)
+        depth = 2 if row.get("kernel") == "dkdv" else 1
+        assert row["wait_depths"] == ([0, depth] if overlap else [0]), f"{row['label']}: waits {row['wait_depths']}"
+        # ptxas keeps the in-flight wgmma's register operands apart without serialising the matmuls
+        assert not row["wgmma_serialized"], f"{row['label']}: ptxas serialised the wgmma"
 
 
 def test_registers_move_to_the_consumers_and_nothing_spills(compiled):
@@ -105,7 +111,13 @@ def test_packed_batches_compile_at_the_tables_setting_and_the_forced_ones(compil
 
 def test_the_gluon_dkdv_kernel_compiles_at_both_query_block_sizes(compiled):
     """Backward schedule 4: 64 query rows per block at d = 64, 32 where a head width is 128 (the spills, registers
-    and shared memory are checked with the forward's variants above)."""
+    and shared memory are checked with the forward's variants above); with the intra-warpgroup overlap
+    (gluon_backward_overlap, three Q / dO stages) wherever it serves: all but the 128-wide heads with a band."""
     rows = [row for row in _variants(compiled) if row.get("kernel") == "dkdv"]
-    assert len(rows) == 7, [row["label"] for row in rows]
+    assert len(rows) == 12, [row["label"] for row in rows]
     assert {row["constexprs"]["BLOCK_M"] for row in rows} == {32, 64}
+    overlapped = sorted(row["label"] for row in rows if row["constexprs"]["OVERLAP"])
+    assert overlapped == ["bwd bf16 d128 dv64 causal GQA overlap", "bwd bf16 d64 dv128 window GQA overlap",
+                          "bwd bf16 d64 overlap", "bwd fp16 d128 overlap", "bwd fp16 d64 ragged causal MQA overlap"], \
+        overlapped
+    assert all(row["constexprs"]["NUM_STAGES"] == (3 if row["constexprs"]["OVERLAP"] else 2) for row in rows)

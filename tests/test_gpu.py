@@ -133,8 +133,9 @@ def test_gluon_forward_follows_the_oracle_and_repeats_its_bits(case, settings, s
 
 # The Gluon dK/dV kernel (backward schedule 4, opt-in) on the edges of its schedule: ragged key blocks and query
 # blocks, one key, one query, rows that see no key (causal with seqlen_q > seqlen_k), GQA 4:1 and MQA, dv != d with
-# padded widths, a window, both query-block sizes (64 rows at d = 64, 32 at 128); gradients through out and lse
-# against the float64 oracle, and every gradient bitwise equal on a rerun
+# padded widths, a window, both query-block sizes (64 rows at d = 64, 32 at 128), without and with the
+# intra-warpgroup overlap (gluon_backward_overlap, where it serves the case); gradients through out and lse against
+# the float64 oracle, and every gradient bitwise equal on a rerun
 GLUON_BACKWARD_CASES = {
     "d128-causal": ((2, 2048, 2048, 8, 8, 128, 128), {"causal": True}),
     "d64-gqa4": ((2, 2048, 2048, 16, 4, 64, 64), {}),
@@ -145,16 +146,32 @@ GLUON_BACKWARD_CASES = {
     "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
     "ragged-7-causal": ((3, 7, 7, 4, 2, 64, 64), {"causal": True}),
     "d64-dv128": ((2, 500, 600, 4, 4, 64, 128), {}),
+    # 128-wide heads without a band (where the intra-warpgroup overlap serves them): ragged ends, GQA 2:1
+    "d128-gqa2-ragged": ((2, 1000, 1100, 8, 4, 128, 128), {}),
 }
 
 
+def _gluon_backward_overlap_serves(case) -> bool:
+    """gluon_backward_overlap serves every case but 128-wide heads (d and dv) with a band (configs)."""
+    (*_, headdim, headdim_v), kwargs = case
+    wide = all(64 < width <= 128 for width in (headdim, headdim_v))
+    return not (wide and (kwargs.get("causal") or "window_size" in kwargs))
+
+
+GLUON_BACKWARD_PARAMS = [pytest.param(case, overlap, id=f"{case_id}-{'overlap' if overlap else 'no-overlap'}")
+                         for case_id, case in GLUON_BACKWARD_CASES.items() for overlap in (0, 1)
+                         if not overlap or _gluon_backward_overlap_serves(case)]
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
-@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES.values(), ids=GLUON_BACKWARD_CASES.keys())
-def test_gluon_backward_follows_the_oracle_and_repeats_its_bits(case, dtype, seed):
+@pytest.mark.parametrize("case, overlap", GLUON_BACKWARD_PARAMS)
+def test_gluon_backward_follows_the_oracle_and_repeats_its_bits(case, overlap, dtype, seed):
     shape, kwargs = case
     q, k, v = random_qkv(*shape, dtype, requires_grad=True)
-    with flashtile.use_backend("triton", backward_schedule=4):
-        assert "attention_bwd_dkdv_gluon_kernel (Gluon" in flashtile.explain(q, k, v, **kwargs)
+    with flashtile.use_backend("triton", backward_schedule=4, gluon_backward_overlap=overlap):
+        text = flashtile.explain(q, k, v, **kwargs)
+        assert "attention_bwd_dkdv_gluon_kernel (Gluon" in text, text
+        assert ("(intra-warpgroup overlap)" in text) == bool(overlap), text
         with pytest.warns(RuntimeWarning, match="backward_schedule=4"):
             got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
             grads, (grad_out, grad_lse), _ = assert_attention_follows_the_eager_rule(

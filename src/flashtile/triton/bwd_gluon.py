@@ -13,6 +13,12 @@ partition of `gl.warp_specialize`:
   registers, then dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ and dSᵀ converted in registers to the wgmma's A operand.
   Once its query blocks are done a consumer stages dK (times the softmax scale) and dV in its K and V buffers and
   stores them by TMA.
+- OVERLAP (intra-warpgroup overlap, opt-in: gluon_backward_overlap): a consumer issues Sᵀ and dPᵀ of query block
+  j + 1 before dV and dK of block j and waits for the two score matmuls alone (`warpgroup_mma_wait(2)`), so that
+  block j + 1's Pᵀ and dSᵀ are formed under block j's dV and dK; block j's Q / dO stage is released once those are
+  complete (a consumer holds two stages, so the ring has three). The query blocks of all the group's heads form
+  one sequence, with the first block alone before it and the last block's dV and dK after it. The additions into
+  dK and dV keep their order. Not served with 128-wide heads and a band, where it spills.
 dQ and delta come from bwd.py's dQ kernel, which runs first (backward schedule 4: every gradient bitwise
 reproducible).
 
@@ -101,8 +107,115 @@ if AVAILABLE:
         return s
 
     @gluon.jit
+    def _issue_transposed_scores(k_tile, v_tile, q_block, do_block, st_layout: gl.constexpr):
+        """Sᵀ = K Qᵀ and dPᵀ = V dOᵀ of one query block as asynchronous wgmma (every operand in shared memory), in
+        that order: two groups in flight."""
+        KEYS: gl.constexpr = k_tile.shape[0]
+        BLOCK_M: gl.constexpr = q_block.shape[0]
+        st = warpgroup_mma(k_tile, q_block.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout),
+                           use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_tile, do_block.permute((1, 0)),
+                            gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout), use_acc=False, is_async=True)
+        return st, dpt
+
+    @gluon.jit
+    def _column_statistics(stats, row_base, offs_q, seqlen_q):
+        """lse (base 2) and delta of a query block's rows, the columns of its transposed tiles. Rows past the queries
+        read lse +inf, so that P = exp2(s - lse) = 0 there, as for rows that saw no key (lse -inf)."""
+        Lse, Delta, sm_scale, stride_lse_b, stride_lse_h = stats
+        in_rows = offs_q < seqlen_q
+        lse = gl.load(Lse + row_base + offs_q, mask=in_rows, other=float("-inf"))
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = gl.load(Delta + row_base + offs_q, mask=in_rows, other=0.0)
+        return lse2, delta
+
+    @gluon.jit
+    def _gradient_operands(st, dpt, lse2, delta, offs_k, offs_q, seqlen_q, seqlen_k, score_args, masked,
+                           dtype: gl.constexpr, pt_layout: gl.constexpr, dst_layout: gl.constexpr,
+                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SCALE_IN_EXP2: gl.constexpr):
+        """Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − delta) of one query block, converted in registers to the A operands of
+        dV += Pᵀ dO and dK += dSᵀ Q."""
+        score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
+        s = _transposed_scores(st, offs_k, offs_q, seqlen_q, seqlen_k, score_args, masked, HAS_LEFT, HAS_RIGHT,
+                               SCALE_IN_EXP2)
+        if SCALE_IN_EXP2:
+            p = gl.exp2(s * score_scale - lse2[None, :])
+        else:
+            p = gl.exp2(s - lse2[None, :])
+        ds = p * (dpt - delta[None, :])
+        return gl.convert_layout(p.to(dtype), pt_layout), gl.convert_layout(ds.to(dtype), dst_layout)
+
+    @gluon.jit
+    def _query_block(q_smem, do_smem, stage):
+        """Q and dO of ring stage `stage` as 2-D tiles."""
+        BLOCK_M: gl.constexpr = q_smem.shape[3]
+        q_block = q_smem.index(stage).reshape([BLOCK_M, q_smem.shape[4]])
+        do_block = do_smem.index(stage).reshape([BLOCK_M, do_smem.shape[4]])
+        return q_block, do_block
+
+    @gluon.jit
+    def _first_query_block(k_tile, v_tile, q_smem, do_smem, qdo_ready, it, offs_k, offs_q, row_base, stats, seqlen_q,
+                           seqlen_k, score_args, masked, st_layout: gl.constexpr, pt_layout: gl.constexpr,
+                           dst_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                           SCALE_IN_EXP2: gl.constexpr):
+        """OVERLAP: Pᵀ and dSᵀ (as A operands) of the `it`-th query block alone, the first of a tile; its stage stays
+        held for its dV and dK, which the next block (_overlapped_query_block) or _last_gradients issues."""
+        NUM_STAGES: gl.constexpr = q_smem.shape[0]
+        stage = it % NUM_STAGES
+        mbarrier.wait(qdo_ready.index(stage), (it // NUM_STAGES) & 1)
+        q_block, do_block = _query_block(q_smem, do_smem, stage)
+        st, dpt = _issue_transposed_scores(k_tile, v_tile, q_block, do_block, st_layout)
+        lse2, delta = _column_statistics(stats, row_base, offs_q, seqlen_q)
+        st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+        return _gradient_operands(st, dpt, lse2, delta, offs_k, offs_q, seqlen_q, seqlen_k, score_args, masked,
+                                  q_smem.dtype, pt_layout, dst_layout, HAS_LEFT, HAS_RIGHT, SCALE_IN_EXP2)
+
+    @gluon.jit
+    def _overlapped_query_block(k_tile, v_tile, q_smem, do_smem, qdo_ready, qdo_empty, it, pt_op, dst_op, dk, dv,
+                                offs_k, offs_q, row_base, stats, seqlen_q, seqlen_k, score_args, masked,
+                                st_layout: gl.constexpr, pt_layout: gl.constexpr, dst_layout: gl.constexpr,
+                                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SCALE_IN_EXP2: gl.constexpr):
+        """OVERLAP: Sᵀ and dPᵀ of the `it`-th query block issued before dV += Pᵀ dO and dK += dSᵀ Q of block it - 1
+        (pt_op, dst_op; Q and dO of its stage, still held), the new block's Pᵀ and dSᵀ formed under those two
+        matmuls: (its A operands, dk, dv) once both are done and block it - 1's stage released."""
+        NUM_STAGES: gl.constexpr = q_smem.shape[0]
+        stage = it % NUM_STAGES
+        prev_stage = (it - 1) % NUM_STAGES
+        mbarrier.wait(qdo_ready.index(stage), (it // NUM_STAGES) & 1)
+        q_block, do_block = _query_block(q_smem, do_smem, stage)
+        prev_q, prev_do = _query_block(q_smem, do_smem, prev_stage)
+        st, dpt = _issue_transposed_scores(k_tile, v_tile, q_block, do_block, st_layout)
+        dv = warpgroup_mma(pt_op, prev_do, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, prev_q, dk, is_async=True)
+        lse2, delta = _column_statistics(stats, row_base, offs_q, seqlen_q)
+        # the two score matmuls alone (wgmma groups complete in issue order): the previous block's dV and dK keep
+        # running under this block's exponentials. Their register operands are not passed through the waits, as in
+        # fwd_gluon.py: ptxas tracks the registers of an in-flight wgmma itself
+        st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
+        pt_op, dst_op = _gradient_operands(st, dpt, lse2, delta, offs_k, offs_q, seqlen_q, seqlen_k, score_args,
+                                           masked, q_smem.dtype, pt_layout, dst_layout, HAS_LEFT, HAS_RIGHT,
+                                           SCALE_IN_EXP2)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+        # block it - 1's Q and dO are read: release its stage (one thread arrives for the warpgroup)
+        mbarrier.arrive(qdo_empty.index(prev_stage), count=1)
+        return pt_op, dst_op, dk, dv
+
+    @gluon.jit
+    def _last_gradients(pt_op, dst_op, dk, dv, q_smem, do_smem, qdo_empty, it):
+        """OVERLAP: dV and dK of the tile's last query block (the `it`-th), then its stage released."""
+        NUM_STAGES: gl.constexpr = q_smem.shape[0]
+        stage = it % NUM_STAGES
+        q_block, do_block = _query_block(q_smem, do_smem, stage)
+        dv = warpgroup_mma(pt_op, do_block, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_block, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+        mbarrier.arrive(qdo_empty.index(stage), count=1)
+        return dk, dv
+
+    @gluon.jit
     def _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SCALE_IN_EXP2: gl.constexpr, WG: gl.constexpr):
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
+                  OVERLAP: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup WG: dK and dV of keys [n0 + 64 WG, n0 + 64 WG + 64) of the CTA's block."""
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descs
         q_smem, k_smem, v_smem, do_smem = smem
@@ -136,42 +249,53 @@ if AVAILABLE:
             dk = gl.zeros([_KEYS, BLOCK_D], gl.float32, layout=dk_layout)
             dv = gl.zeros([_KEYS, BLOCK_DV], gl.float32, layout=dv_layout)
             mbarrier.wait(kv_ready.index(WG), tiles_done & 1)
-            for g in range(group_size):
-                h = hk * group_size + g
-                row_base = b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h
-                for m0 in range(lo, hi, BLOCK_M):
-                    stage = it % NUM_STAGES
-                    offs_q = m0 + gl.arange(0, BLOCK_M, layout=query_layout)
-                    mbarrier.wait(qdo_ready.index(stage), (it // NUM_STAGES) & 1)
-                    q_block = q_smem.index(stage).reshape([BLOCK_M, BLOCK_D])
-                    do_block = do_smem.index(stage).reshape([BLOCK_M, BLOCK_DV])
-                    st = warpgroup_mma(k_tile, q_block.permute((1, 0)),
-                                       gl.zeros([_KEYS, BLOCK_M], gl.float32, layout=st_layout),
-                                       use_acc=False, is_async=True)
-                    dpt = warpgroup_mma(v_tile, do_block.permute((1, 0)),
-                                        gl.zeros([_KEYS, BLOCK_M], gl.float32, layout=st_layout),
-                                        use_acc=False, is_async=True)
-                    # the rows' statistics load under the matmuls. Rows past the queries read lse +inf, so that
-                    # P = exp2(s - lse) = 0 there, as for rows that saw no key (lse -inf)
-                    in_rows = offs_q < seqlen_q
-                    lse = gl.load(Lse + row_base + offs_q, mask=in_rows, other=float("-inf"))
-                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-                    delta = gl.load(Delta + row_base + offs_q, mask=in_rows, other=0.0)
-                    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
-                    s = _transposed_scores(st, offs_k, offs_q, seqlen_q, seqlen_k, score_args,
-                                           (m0 < full_lo) | (m0 >= full_hi), HAS_LEFT, HAS_RIGHT, SCALE_IN_EXP2)
-                    if SCALE_IN_EXP2:
-                        p = gl.exp2(s * score_scale - lse2[None, :])
-                    else:
-                        p = gl.exp2(s - lse2[None, :])
-                    ds = p * (dpt - delta[None, :])
-                    dv = warpgroup_mma(gl.convert_layout(p.to(dtype), pt_layout), do_block, dv, is_async=True)
-                    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), dst_layout), q_block, dk, is_async=True)
-                    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-                    # Q and dO are read: release the stage (one thread arrives; a warpgroup's wgmma is one collective
-                    # operation)
-                    mbarrier.arrive(qdo_empty.index(stage), count=1)
+            if OVERLAP:
+                # the tile's query blocks of every query head of the group as one sequence (the producer's order),
+                # so that the pipeline runs on across heads: the first block alone, then each block's score matmuls
+                # issued before the previous block's dV and dK, then the last block's dV and dK
+                blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+                if blocks > 0:
+                    row_base = b.to(gl.int64) * stride_lse_b + (hk * group_size).to(gl.int64) * stride_lse_h
+                    pt_op, dst_op = _first_query_block(
+                        k_tile, v_tile, q_smem, do_smem, qdo_ready, it, offs_k,
+                        lo + gl.arange(0, BLOCK_M, layout=query_layout), row_base, stats, seqlen_q, seqlen_k,
+                        score_args, (lo < full_lo) | (lo >= full_hi), st_layout, pt_layout, dst_layout, HAS_LEFT,
+                        HAS_RIGHT, SCALE_IN_EXP2)
                     it += 1
+                    for step in range(1, group_size * blocks):
+                        g = step // blocks
+                        m0 = lo + (step - g * blocks) * BLOCK_M
+                        row_base = b.to(gl.int64) * stride_lse_b + (hk * group_size + g).to(gl.int64) * stride_lse_h
+                        pt_op, dst_op, dk, dv = _overlapped_query_block(
+                            k_tile, v_tile, q_smem, do_smem, qdo_ready, qdo_empty, it, pt_op, dst_op, dk, dv, offs_k,
+                            m0 + gl.arange(0, BLOCK_M, layout=query_layout), row_base, stats, seqlen_q, seqlen_k,
+                            score_args, (m0 < full_lo) | (m0 >= full_hi), st_layout, pt_layout, dst_layout, HAS_LEFT,
+                            HAS_RIGHT, SCALE_IN_EXP2)
+                        it += 1
+                    dk, dv = _last_gradients(pt_op, dst_op, dk, dv, q_smem, do_smem, qdo_empty, it - 1)
+            else:
+                for g in range(group_size):
+                    h = hk * group_size + g
+                    row_base = b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h
+                    for m0 in range(lo, hi, BLOCK_M):
+                        stage = it % NUM_STAGES
+                        offs_q = m0 + gl.arange(0, BLOCK_M, layout=query_layout)
+                        mbarrier.wait(qdo_ready.index(stage), (it // NUM_STAGES) & 1)
+                        q_block, do_block = _query_block(q_smem, do_smem, stage)
+                        st, dpt = _issue_transposed_scores(k_tile, v_tile, q_block, do_block, st_layout)
+                        # the columns' statistics load under the matmuls
+                        lse2, delta = _column_statistics(stats, row_base, offs_q, seqlen_q)
+                        st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+                        pt_op, dst_op = _gradient_operands(st, dpt, lse2, delta, offs_k, offs_q, seqlen_q, seqlen_k,
+                                                           score_args, (m0 < full_lo) | (m0 >= full_hi), dtype,
+                                                           pt_layout, dst_layout, HAS_LEFT, HAS_RIGHT, SCALE_IN_EXP2)
+                        dv = warpgroup_mma(pt_op, do_block, dv, is_async=True)
+                        dk = warpgroup_mma(dst_op, q_block, dk, is_async=True)
+                        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                        # Q and dO are read: release the stage (one thread arrives; a warpgroup's wgmma is one
+                        # collective operation)
+                        mbarrier.arrive(qdo_empty.index(stage), count=1)
+                        it += 1
             # the K and V rows are no longer read (every wgmma above is complete): stage dK and dV there and store them
             k_tile.store((dk * sm_scale).to(dtype))
             v_tile.store(dv.to(dtype))
@@ -192,7 +316,7 @@ if AVAILABLE:
         nheads_k, group_size, seqlen_q, seqlen_k, key_programs, tiles,
         sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
         BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-        SCALE_IN_EXP2: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+        SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
     ):
         # shared memory: each consumer's K and V rows (then its dK / dV staging), the Q / dO ring
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [_CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
@@ -220,7 +344,7 @@ if AVAILABLE:
         gl.warp_specialize([
             (_producer, (descs, smem, bars, sizes, score_args, BLOCK_M, NUM_STAGES, HAS_LEFT, HAS_RIGHT)),
             (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                         SCALE_IN_EXP2, 0)),
+                         SCALE_IN_EXP2, OVERLAP, 0)),
             (_consumer, (descs, smem, bars, sizes, score_args, stats, BLOCK_M, NUM_STAGES, HAS_LEFT, HAS_RIGHT,
-                         SCALE_IN_EXP2, 1)),
+                         SCALE_IN_EXP2, OVERLAP, 1)),
         ], [4, 4], [CONSUMER_REGISTERS] * 2)

@@ -137,17 +137,20 @@ def _gluon_platform_reason(p: AttentionProblem) -> str:
     return ""
 
 
-def gluon_backward_tile(problem: AttentionProblem) -> tuple[int, int]:
+def gluon_backward_tile(problem: AttentionProblem, overlap: bool = False) -> tuple[int, int]:
     """(query rows per block, Q / dO ring stages) of the Gluon dK/dV kernel (bwd_gluon.py): 64 rows where both head
     widths pad to 64, else 32 (at 64, with a 128-wide dK or dV accumulator, ptxas spills: the transposed score tiles'
-    per-column lse and delta take 16 registers each); 2 stages. Not tuned on a GPU."""
+    per-column lse and delta take 16 registers each); 2 stages, 3 with the intra-warpgroup overlap
+    (gluon_backward_overlap: a consumer holds two blocks' stages at once, so a third lets the next block load under
+    them). Not tuned on a GPU."""
     wide = max(padded_width(problem.headdim), padded_width(problem.headdim_v)) > 64
-    return (32 if wide else 64), 2
+    return (32 if wide else 64), (3 if overlap else 2)
 
 
-def gluon_backward_unserved_reason(problem: AttentionProblem) -> str:
-    """Why the Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py) does not serve `problem` ('' where it does); the
-    tensors' alignment is checked at launch."""
+def gluon_backward_unserved_reason(problem: AttentionProblem, overlap: bool = False) -> str:
+    """Why the Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py) does not serve `problem` ('' where it does),
+    with the intra-warpgroup overlap where `overlap` (gluon_backward_overlap); the tensors' alignment is checked at
+    launch."""
     p = problem
     reason = _gluon_platform_reason(p)
     if reason:
@@ -159,6 +162,19 @@ def gluon_backward_unserved_reason(problem: AttentionProblem) -> str:
     widths = padded_width(p.headdim), padded_width(p.headdim_v)
     if not all(w in (64, 128) for w in widths):
         return f"head dims {p.headdim} / {p.headdim_v} pad to widths {widths[0]} / {widths[1]}, not 64 or 128"
+    if overlap:
+        return _backward_overlap_reason(p)
+    return ""
+
+
+def _backward_overlap_reason(p: AttentionProblem) -> str:
+    """Why the Gluon dK/dV kernel cannot run `p` with the intra-warpgroup overlap (gluon_backward_overlap) ('' where
+    it can): with both head widths 128 and a band, the band's mask beside the 64 x 128 dK and dV accumulators and two
+    query blocks' operands spilled 8-28 bytes per thread under triton 3.6 and 20-24 under 3.9."""
+    if padded_width(p.headdim) == padded_width(p.headdim_v) == 128 and p.is_banded:
+        return ("the intra-warpgroup overlap (gluon_backward_overlap) with 128-wide heads (d and dv) and a band "
+                "(causal or a window) spills registers; it serves head width 64, widths 64 / 128 apart, and 128-wide "
+                "heads without a band")
     return ""
 
 
@@ -278,6 +294,9 @@ class TritonTiles:
     # one probability column in exp2_poly_every (2, 4 or 8; 0 none) by a cubic on the FMA units
     rescale_threshold: int = 0
     exp2_poly_every: int = 0
+    # the Gluon dK/dV kernel (backward schedule 4): within each consumer, Sᵀ and dPᵀ of query block j + 1 issued
+    # before dV and dK of block j (a flag; not yet run on a GPU, so never chosen by the table)
+    gluon_backward_overlap: int = 0
     # the schedule a caller forced (use_backend(..., schedule=...) or FLASHTILE_SCHEDULE), as SCHEDULE_CODES[name];
     # 0: the table's choice. An int like every other field, so that the tiles travel as a list of ints (the custom
     # ops, the resolution cache); not a tile setting (TILE_KEYS leaves it out)
@@ -337,12 +356,16 @@ class TritonTiles:
                            f"{self.bwd_num_stages} stages{dq_programs}")
         backward = triton_backward
         if self.backward_schedule in GLUON_BACKWARD_SCHEDULES:
-            reason = gluon_backward_unserved_reason(problem)
-            rows, stages = gluon_backward_tile(problem)
+            overlap = bool(self.gluon_backward_overlap)
+            reason = gluon_backward_unserved_reason(problem, overlap)
+            rows, stages = gluon_backward_tile(problem, overlap)
+            overlapped = (", the next query block's score matmuls issued before each block's dV and dK "
+                          "(intra-warpgroup overlap)" if overlap else "")
             backward = (f"backward: the Gluon dK/dV kernel does not serve this call ({reason}), so "
                         f"{triton_backward}" if reason else
                         f"backward ({BACKWARD_SCHEDULES[self.backward_schedule]}): 128 keys per CTA against "
-                        f"{rows} query rows per block, {stages} Q / dO stages, one CTA per key block{dq_programs}")
+                        f"{rows} query rows per block, {stages} Q / dO stages{overlapped}, one CTA per key block"
+                        f"{dq_programs}")
         return f"{forward}; {backward}"
 
 
@@ -395,7 +418,7 @@ DQ_KEYS = DQ_TILE_KEYS + ("dq_max_registers",)  # what only the two-launch sched
 FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_schedule")  # forced: no table cap
 ZERO_MEANS_DEFAULT = DQ_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
 FLAG_KEYS = ("forward_separate_ragged_end", "gluon_overlap", "gluon_pingpong", "gluon_persistent",
-             "gluon_balanced", "gluon_across_tiles")  # tile settings that are 0 or 1
+             "gluon_balanced", "gluon_across_tiles", "gluon_backward_overlap")  # tile settings that are 0 or 1
 
 # Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and dQ grids,
 # keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch, for every short sequence,

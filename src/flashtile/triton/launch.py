@@ -440,7 +440,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     delta = torch.empty_like(lse)
     # backward schedule 4: the two-launch schedule with the Gluon dK/dV kernel where it serves the call
     gluon_dkdv = (tiles.backward_schedule in configs.GLUON_BACKWARD_SCHEDULES and k.shape[1] > 0
-                  and not gluon_backward_unserved(q, k, v, grad_out, p))
+                  and not gluon_backward_unserved(q, k, v, grad_out, p, bool(tiles.gluon_backward_overlap)))
     if gluon_dkdv:
         warnings.warn(GLUON_BACKWARD_WARNING, RuntimeWarning, stacklevel=2)
     inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
@@ -494,7 +494,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, HAS_DLSE=has_dlse, **dict(bwd, num_warps=dq_warps),
         **_register_cap(tiles.dq_max_registers))
     if gluon_dkdv:
-        _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, p, scalars, flags)
+        _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, p, scalars, flags, bool(tiles.gluon_backward_overlap))
     elif k.shape[1] > 0:
         launch(
             attention_bwd_dkdv_kernel, _grid(key_programs * p.batch * p.nheads_k),
@@ -505,10 +505,10 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
     return dq, dk, dv
 
 
-def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem) -> str:
-    """Why the Gluon dK/dV kernel cannot run this call ('' when it can): configs.gluon_backward_unserved_reason,
-    then the tensors."""
-    reason = configs.gluon_backward_unserved_reason(problem)
+def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem, overlap: bool = False) -> str:
+    """Why the Gluon dK/dV kernel (with the intra-warpgroup overlap where `overlap`) cannot run this call ('' when it
+    can): configs.gluon_backward_unserved_reason, then the tensors."""
+    reason = configs.gluon_backward_unserved_reason(problem, overlap)
     if reason:
         return reason
     if not _tma_ready((q, k, v, grad_out), None):
@@ -516,11 +516,13 @@ def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem) -> str
     return ""
 
 
-def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: AttentionProblem, scalars, flags):
+def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: AttentionProblem, scalars, flags,
+                       overlap: bool = False):
     """The Gluon dK/dV kernel (bwd_gluon.py) of a dense call that gluon_backward_unserved accepts: dk and dv (the
-    flash layout, contiguous) from delta, which the dQ kernel stored."""
+    flash layout, contiguous) from delta, which the dQ kernel stored; with the intra-warpgroup overlap where
+    `overlap`."""
     p = problem
-    block_m, stages = configs.gluon_backward_tile(p)
+    block_m, stages = configs.gluon_backward_tile(p, overlap)
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
     key_programs = _cdiv(p.seqlen_k, 2 * WARPGROUP_KEYS)
     programs = key_programs * p.batch * p.nheads_k  # one CTA per key block (of 128 keys, two consumers' 64)
@@ -533,7 +535,7 @@ def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: Attention
         (lse.stride(0), lse.stride(1), p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, programs,
          *scalars),
         BLOCK_M=block_m, NUM_STAGES=stages, HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"],
-        SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], CONSUMER_REGISTERS=240, num_warps=4, maxnreg=168)
+        SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=overlap, CONSUMER_REGISTERS=240, num_warps=4, maxnreg=168)
 
 
 def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4, min_blocks: int = 4,
