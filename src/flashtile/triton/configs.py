@@ -295,7 +295,7 @@ class TritonTiles:
     rescale_threshold: int = 0
     exp2_poly_every: int = 0
     # the Gluon dK/dV kernel (backward schedule 4): within each consumer, Sᵀ and dPᵀ of query block j + 1 issued
-    # before dV and dK of block j (a flag; not yet run on a GPU, so never chosen by the table)
+    # before dV and dK of block j (a flag; measured slower on the H200, so never chosen by the table)
     gluon_backward_overlap: int = 0
     # the schedule a caller forced (use_backend(..., schedule=...) or FLASHTILE_SCHEDULE), as SCHEDULE_CODES[name];
     # 0: the table's choice. An int like every other field, so that the tiles travel as a list of ints (the custom
