@@ -79,6 +79,21 @@ def _line(cells: list[str]) -> str:
     return " ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS))
 
 
+def _flags(row) -> str:
+    """The notes after a measured row's kernels: host-bound, and a status other than ok with its reason."""
+    text = ""
+    if row.host_bound:
+        text += f"  [host-bound: GPU work {_number(row.kernel_ms)} ms]"
+    if row.status != "ok":
+        text += f"  [{row.status}: {_shorten(row.reason or '', REASON_WIDTH)}]"
+    return text
+
+
+def _status_counts(rows) -> str:
+    counts = Counter(row.status for row in rows)
+    return f"{len(rows)} rows: " + ", ".join(f"{counts[s]} {s}" for s in ("ok", "skipped", "failed"))
+
+
 def format_table(result: BenchResult) -> str:
     """The header, one line per row (skipped and failed rows show their reason), and a count."""
     head = _line([name for name, _, _ in _COLUMNS]) + " ran"
@@ -97,14 +112,8 @@ def format_table(result: BenchResult) -> str:
         measured = [_number(row.ms), _number(row.tflops), _percent(row.matmul_fraction),
                     _percent(row.roofline_fraction), "-" if row.peak_mib is None else f"{row.peak_mib:.1f}",
                     f"{row.rel_error:.1e}" if row.rel_error is not None else "-"]
-        text = _line(where + measured) + " " + _kernels(row.kernels)
-        if row.host_bound:
-            text += f"  [host-bound: GPU work {_number(row.kernel_ms)} ms]"
-        if row.status != "ok":
-            text += f"  [{row.status}: {_shorten(row.reason or '', REASON_WIDTH)}]"
-        lines.append(text)
-    counts = Counter(row.status for row in result.rows)
-    lines += ["", f"{len(result.rows)} rows: " + ", ".join(f"{counts[s]} {s}" for s in ("ok", "skipped", "failed")),
+        lines.append(_line(where + measured) + " " + _kernels(row.kernels) + _flags(row))
+    lines += ["", _status_counts(result.rows),
               "%matmul = TFLOP/s / measured matmul ceiling; %roof = roofline bound (flashtile.iomodel: tiled model "
               "for flash-style providers, materialised for naive and sdpa-math) / measured time; rel err = "
               "||x - ref|| / ||ref|| vs float64 of out (fwd) or dq (bwd, fwd+bwd) on a sub-sample; host-bound = "
@@ -234,14 +243,8 @@ def format_schedule_table(result: BenchResult) -> str:
                     "-" if row.io_bytes is None else _number(row.io_bytes / 1e6),
                     "-" if gbps is None else _number(gbps), "-" if gbps is None else _percent(gbps / copy_gbps),
                     "-" if row.max_abs_error is None else f"{row.max_abs_error:.2e}"]
-        text = line(where + measured) + " " + _kernels(row.kernels)
-        if row.host_bound:
-            text += f"  [host-bound: GPU work {_number(row.kernel_ms)} ms]"
-        if row.status != "ok":
-            text += f"  [{row.status}: {_shorten(row.reason or '', REASON_WIDTH)}]"
-        lines.append(text)
-    counts = Counter(row.status for row in result.rows)
-    lines += ["", f"{len(result.rows)} rows: " + ", ".join(f"{counts[s]} {s}" for s in ("ok", "skipped", "failed")),
+        lines.append(line(where + measured) + " " + _kernels(row.kernels) + _flags(row))
+    lines += ["", _status_counts(result.rows),
               "every schedule ran on the same inputs; %matmul = TFLOP/s / measured matmul ceiling; model MB = HBM "
               "bytes the IO model counts (flashtile.iomodel: tiled; fa1's forward adds O, m, l per 64-key block), "
               "not measured bytes; GB/s = those bytes / time, %copy = of the measured copy bandwidth; max err = "
