@@ -9,7 +9,7 @@ times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's T
                                                       # or groups "CELLS:SETTINGS;CELLS:SETTINGS" in one process
     python benchmarks/gluon_forward.py varlen [SETTINGS]  # packed batches of mixed lengths: the Gluon forward in
                                                       # each setting against the Triton forward, same call
-    python benchmarks/gluon_forward.py reruns N       # N reruns of a few shapes: no NaN, no changed bit
+    python benchmarks/gluon_forward.py reruns N [SETTING]  # N reruns of a few shapes: no NaN, no changed bit
     python benchmarks/gluon_forward.py reruns-packed N  # the same for a packed batch
     python benchmarks/gluon_forward.py small [SETTINGS]  # small cases of every setting (or of SETTINGS), for
                                                       # compute-sanitizer
@@ -162,10 +162,12 @@ PACKED_CASES = [
 
 def _takes(tile, headdims, packed=False, banded=False, alibi=False) -> bool:
     """Whether the setting serves heads this wide (configs.gluon_unserved_reason): three consumers and blocks of 256
-    keys take head dims up to 64, and three consumers no packed batch; the next tile's first block under each tile's
-    last P V takes head dims up to 128, dense batches without a band (causal or a window) or ALiBi."""
-    narrow = tile.consumers == 3 or tile.block_n == 256
+    keys take head dims up to 64, and three consumers no packed batch; one consumer (two CTAs per SM) up to 64, or
+    128 with blocks of 64 keys; the next tile's first block under each tile's last P V takes head dims up to 128,
+    dense batches without ALiBi or a band other than causal with every row seeing a key (`banded`: such a band)."""
+    narrow = tile.consumers == 3 or tile.block_n == 256 or (tile.consumers == 1 and tile.block_n > 64)
     return not (narrow and max(headdims) > 64) and not (packed and tile.consumers == 3) and \
+        not (tile.consumers == 1 and max(headdims) > 128) and \
         not (tile.across_tiles and (packed or banded or alibi or max(headdims) > 128))
 
 
@@ -277,7 +279,8 @@ def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
         for dtype in dtypes:
             for i, (name, shape, options) in enumerate(cases):
                 q, k, v = _inputs(*shape, dtype, seed=i)
-                if not _takes(tile, shape[5:], banded=options.get("causal", False) or "window" in options):
+                causal_unseen = options.get("causal", False) and shape[1] > shape[2]  # rows that see no key
+                if not _takes(tile, shape[5:], banded=causal_unseen or "window" in options):
                     continue
                 ok &= check_case(f"{_name(tile)} {dtype} {name}", q, k, v, tile=tile, **options)
         if _takes(tile, (128,), alibi=True):
@@ -340,22 +343,26 @@ def timing(cells, tiles) -> None:
         print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
-def reruns(count: int) -> bool:
+def reruns(count: int, tile=launch.GluonTile()) -> bool:
     ok = True
     for seed, (shape, options) in enumerate([((4, 4096, 4096, 16, 16, 128, 128), dict(causal=True)),
                                              ((8, 1000, 1000, 16, 4, 64, 64), dict()),
-                                             ((2, 2049, 3001, 8, 8, 128, 128), dict(window=(500, 10)))]):
+                                             ((2, 2049, 3001, 8, 8, 128, 128), dict(window=(500, 10))),
+                                             ((16, 1024, 1024, 16, 16, 64, 64), dict(causal=True)),
+                                             ((8, 1000, 1100, 16, 4, 128, 128), dict(causal=True))]):
         q, k, v = _inputs(*shape, torch.bfloat16, seed=seed)
-        out0, lse0 = gluon(q, k, v, **options)
+        if configs.gluon_unserved_reason(problem_of(q, k, v, **options), tile):
+            continue
+        out0, lse0 = gluon(q, k, v, tile=tile, **options)
         bad = 0
         start = time.time()
         for _ in range(count):
-            out, lse = gluon(q, k, v, **options)
+            out, lse = gluon(q, k, v, tile=tile, **options)
             if not (torch.equal(out, out0) and torch.equal(lse, lse0)):
                 bad += 1
         torch.cuda.synchronize()
         nan = bool(torch.isnan(out0).any())
-        print(f"reruns {shape} {options}: {count} runs, {bad} changed, nan {nan}, {time.time() - start:.1f} s",
+        print(f"reruns {_name(tile)} {shape} {options}: {count} runs, {bad} changed, nan {nan}, {time.time() - start:.1f} s",
               flush=True)
         ok &= bad == 0 and not nan
     return ok
@@ -542,7 +549,7 @@ if __name__ == "__main__":
     if mode == "profile":
         profile(sys.argv[2], sys.argv[3])
     if mode == "reruns":
-        sys.exit(0 if reruns(int(sys.argv[2])) else 1)
+        sys.exit(0 if reruns(int(sys.argv[2]), *_variants(sys.argv[3])[:1] if len(sys.argv) > 3 else ()) else 1)
     if mode == "compile-time":
         compile_time()
     if mode == "reruns-packed":

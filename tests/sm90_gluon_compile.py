@@ -96,6 +96,12 @@ def extra_tiles():
              configs.GluonTile(num_stages=3, exp2_emulated=8)),
             ("fp16 d128 causal one exponential in 2 on the FMA units",
              problem_for(4096, 4096, 128, 128, torch.float16, True), configs.GluonTile(balanced=True, exp2_emulated=2)),
+            # one consumer warpgroup, two CTAs per SM (opt-in)
+            ("bf16 d64 causal one consumer, dealt tiles, each tile started under the last",
+             problem_for(1024, 1024, 64, 64, torch.bfloat16, True),
+             configs.GluonTile(consumers=1, balanced=True, across_tiles=True)),
+            ("bf16 d128 one consumer, blocks of 64 keys", problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
+             configs.GluonTile(consumers=1, block_n=64)),
             ("bf16 d64 packed causal, blocks of 256 keys",
              dataclasses.replace(problem_for(1000, 1000, 64, 64, torch.bfloat16, True, batch=3), varlen=True),
              configs.GluonTile(block_n=256, overlap=False))]

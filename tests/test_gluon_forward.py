@@ -23,19 +23,19 @@ HOPPER = (9, 0)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_the_sm90_table_takes_the_gluon_forward_where_it_measured_faster(headdim, seqlen, causal):
     tiles = configs.default_tiles(problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal), HOPPER)
-    triton_faster = headdim == 64 and causal and seqlen < 4096  # measured even (configs._gluon_forward)
-    assert tiles.forward_schedule == (1 if triton_faster else 3)
+    assert tiles.forward_schedule == 3
     # the Triton tile stays in the row for the calls the Gluon forward turns away
     assert tiles.block_m >= 64 and tiles.block_n >= 64 and tiles.num_warps >= 4
 
 
-# (keys per block, consumers, stages, overlap, persistent, balanced, across tiles) per cell where the table takes the
-# Gluon forward
-GLUON_TABLE = {(64, 1024, False): (128, 2, 2, 1, 1, 0, 1), (64, 4096, False): (128, 3, 2, 1, 1, 0, 0),
-               (64, 16384, False): (128, 3, 2, 1, 0, 0, 0), (64, 4096, True): (128, 2, 2, 1, 1, 1, 0),
-               (64, 16384, True): (128, 3, 2, 0, 0, 0, 0), (128, 1024, False): (128, 2, 2, 1, 1, 0, 1),
-               **{(128, n, False): (128, 2, 2, 1, 1, 0, 0) for n in (4096, 16384)},
-               **{(128, n, True): (128, 2, 2, 1, 1, 1, 0) for n in (1024, 4096, 16384)}}
+# (keys per block, consumers, stages, overlap, persistent, balanced, across tiles, pingpong) per cell of the grid
+GLUON_TABLE = {(64, 1024, False): (128, 2, 2, 1, 1, 0, 1, 0), (64, 4096, False): (128, 3, 2, 1, 1, 0, 0, 0),
+               (64, 16384, False): (128, 3, 2, 1, 0, 0, 0, 0), (64, 1024, True): (128, 2, 2, 1, 1, 1, 1, 0),
+               (64, 4096, True): (128, 2, 2, 1, 1, 1, 0, 0), (64, 16384, True): (128, 3, 2, 0, 0, 0, 0, 0),
+               (128, 1024, False): (128, 2, 2, 1, 1, 0, 1, 0),
+               **{(128, n, False): (128, 2, 2, 1, 1, 0, 0, 0) for n in (4096, 16384)},
+               (128, 1024, True): (128, 2, 2, 1, 1, 1, 1, 1),
+               **{(128, n, True): (128, 2, 2, 1, 1, 1, 0, 0) for n in (4096, 16384)}}
 
 
 @pytest.mark.parametrize("cell, settings", GLUON_TABLE.items(), ids=[f"d{d}-n{n}-{'causal' if c else 'full'}"
@@ -45,8 +45,7 @@ def test_the_sm90_table_picks_the_measured_gluon_settings_per_cell(cell, setting
     problem = problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal)
     tiles = configs.default_tiles(problem, HOPPER)
     assert (tiles.gluon_block_n, tiles.gluon_consumers, tiles.gluon_stages, tiles.gluon_overlap,
-            tiles.gluon_persistent, tiles.gluon_balanced, tiles.gluon_across_tiles) == settings
-    assert tiles.gluon_pingpong == 0
+            tiles.gluon_persistent, tiles.gluon_balanced, tiles.gluon_across_tiles, tiles.gluon_pingpong) == settings
     # every setting the table picks is one the Gluon forward serves for the cell
     _on_a_hopper(monkeypatch)
     assert configs.gluon_unserved_reason(dataclasses.replace(problem, device=torch.device("cuda")),
@@ -107,6 +106,8 @@ def test_blocks_of_256_keys_are_a_narrow_head_setting_without_overlap(monkeypatc
 
 
 ACROSS = "the next tile's first block under a tile's last P V (gluon_across_tiles)"
+UNSEEN = (f"{ACROSS} is built for dense batches without a left band edge where every row sees a key (no band, or "
+          "causal with seqlen_q <= seqlen_k)")
 
 
 @pytest.mark.parametrize("tile, change, reason", [
@@ -114,12 +115,14 @@ ACROSS = "the next tile's first block under a tile's last P V (gluon_across_tile
     (configs.GluonTile(across_tiles=True, pingpong=True, balanced=True), dict(headdim_v=64), ""),
     (configs.GluonTile(across_tiles=True, overlap=False), dict(),
      f"{ACROSS} continues the intra-warpgroup overlap: it needs gluon_overlap=1"),
-    (configs.GluonTile(across_tiles=True), dict(window_right=0),
-     f"{ACROSS} is built for dense batches without a band (causal or a window), where every tile sees a key"),
-    (configs.GluonTile(across_tiles=True), dict(window_left=100),
-     f"{ACROSS} is built for dense batches without a band (causal or a window), where every tile sees a key"),
-    (configs.GluonTile(across_tiles=True), dict(varlen=True),
-     f"{ACROSS} is built for dense batches without a band (causal or a window), where every tile sees a key"),
+    # causal where every row sees a key: seqlen_q <= seqlen_k, or a window reaching right of the diagonal
+    (configs.GluonTile(across_tiles=True, balanced=True), dict(window_right=0), ""),
+    (configs.GluonTile(across_tiles=True), dict(window_right=0, seqlen_q=900, diagonal_offset=124), ""),
+    (configs.GluonTile(across_tiles=True), dict(window_right=30, seqlen_k=1000, diagonal_offset=-24), ""),
+    (configs.GluonTile(across_tiles=True), dict(window_right=0, seqlen_k=1000, diagonal_offset=-24), UNSEEN),
+    (configs.GluonTile(across_tiles=True), dict(window_left=100), UNSEEN),
+    (configs.GluonTile(across_tiles=True), dict(window_left=100, window_right=0), UNSEEN),
+    (configs.GluonTile(across_tiles=True), dict(varlen=True), UNSEEN),
     (configs.GluonTile(across_tiles=True, consumers=3), dict(headdim=64, headdim_v=64),
      f"{ACROSS} with three consumer warpgroups (160 registers each) spills"),
     (configs.GluonTile(across_tiles=True), dict(has_alibi=True), f"{ACROSS} with ALiBi spills under triton 3.9"),
@@ -135,15 +138,23 @@ def test_each_tile_starts_under_the_last_only_where_every_tile_sees_a_key(monkey
 
 
 @pytest.mark.parametrize("headdim", (64, 128))
-def test_the_table_starts_each_tile_under_the_last_below_4k_keys_without_a_band(headdim):
+def test_the_table_starts_each_tile_under_the_last_below_4k_keys_where_every_row_sees_a_key(headdim):
     def across(seqlen_q, seqlen_k, causal):
         tiles = configs.default_tiles(problem_for(seqlen_q, seqlen_k, headdim, headdim, torch.bfloat16, causal),
                                       HOPPER)
         return tiles.forward_schedule == 3 and tiles.gluon_tile.across_tiles
     assert across(1024, 1024, False) and across(100, 4096, False) and across(2048, 2048, False)
-    assert not across(4096, 4096, False) and not across(1024, 1024, True)
-    alibi = configs.default_tiles(problem_for(1024, 1024, headdim, headdim, torch.bfloat16, False, alibi=True), HOPPER)
-    assert alibi.forward_schedule == 3 and not alibi.gluon_tile.across_tiles
+    assert across(1024, 1024, True) and across(1000, 2048, True)
+    assert not across(4096, 4096, False) and not across(4096, 4096, True)
+    # causal with seqlen_q > seqlen_k: rows that see no key
+    causal_unseen = configs.default_tiles(problem_for(2000, 1000, headdim, headdim, torch.bfloat16, True), HOPPER)
+    assert not causal_unseen.gluon_tile.across_tiles
+    assert causal_unseen.forward_schedule == (3 if headdim == 128 else 1)
+    for causal in (False, True):
+        alibi = configs.default_tiles(problem_for(1024, 1024, headdim, headdim, torch.bfloat16, causal, alibi=True),
+                                      HOPPER)
+        assert not alibi.gluon_tile.across_tiles and alibi.forward_schedule == (3 if headdim == 128 or not causal
+                                                                               else 1)
     # two tiles' query rows fit beside two stages and the output's staging: 2 x (128 x 128 x 2 + 128 x 128) bf16
     # + 2 x 128 x (128 + 128) bf16 + barriers
     problem = problem_for(1024, 1024, 128, 128, torch.bfloat16, False)
@@ -196,7 +207,23 @@ def test_three_consumers_take_192_rows_and_no_pingpong(monkeypatch):
     assert (three.block_m, three.consumer_registers, three.max_registers) == (192, 160, 128)
     assert configs.gluon_unserved_reason(problem, three) == ""
     assert configs.gluon_unserved_reason(problem, configs.GluonTile(consumers=3, pingpong=True)) == \
-        "3 consumer warpgroups in pingpong: it takes two or three, pingpong two"
+        "3 consumer warpgroups in pingpong: it takes one, two or three, pingpong two"
+
+
+def test_one_consumer_runs_two_ctas_per_sm_where_two_fit_shared_memory(monkeypatch):
+    _on_a_hopper(monkeypatch)
+    one = configs.GluonTile(consumers=1)
+    assert (one.block_m, one.consumer_registers, one.max_registers, one.ctas_per_sm) == (64, 232, 128, 2)
+    # two CTAs of 2 x 64 query / output rows and 2 stages of 128 keys fit at d = 64; at d = 128 with 64 keys a block
+    narrow = dataclasses.replace(problem_for(1024, 1024, 64, 64, torch.bfloat16, True), device=torch.device("cuda"))
+    wide = dataclasses.replace(narrow, headdim=128, headdim_v=128)
+    assert configs.gluon_unserved_reason(narrow, one) == ""
+    assert configs.gluon_unserved_reason(wide, configs.GluonTile(consumers=1, block_n=64)) == ""
+    assert configs.gluon_unserved_reason(wide, one) == (
+        "one consumer warpgroup runs 2 CTAs per SM, and 2 stages of 128 keys need 164,864 bytes of shared memory "
+        "each, more than sm_90's 232,448 for 2")
+    assert configs.gluon_unserved_reason(narrow, configs.GluonTile(consumers=1, pingpong=True)) == \
+        "1 consumer warpgroups in pingpong: it takes one, two or three, pingpong two"
 
 
 def test_explain_names_the_gluon_forward_and_its_settings(monkeypatch):
@@ -232,7 +259,7 @@ def test_a_call_it_turns_away_runs_the_triton_forward_and_explain_says_why(seed)
     ("gluon_persistent", -1, "tile setting gluon_persistent must be 0 or 1, got -1"),
     ("gluon_across_tiles", 2, "tile setting gluon_across_tiles must be 0 or 1, got 2"),
     ("gluon_stages", 0, "tile setting gluon_stages must be a positive int, got 0"),
-    ("gluon_consumers", 4, "tile setting gluon_consumers must be 2 or 3, got 4"),
+    ("gluon_consumers", 4, "tile setting gluon_consumers must be 1, 2 or 3, got 4"),
     ("gluon_block_n", 96, "tile setting gluon_block_n must be 64, 128 or 256, got 96"),
     ("forward_schedule", 4, "tile setting forward_schedule must be one of [0, 1, 2, 3], got 4")])
 def test_gluon_settings_are_checked(setting, value, message):

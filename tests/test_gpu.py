@@ -64,7 +64,10 @@ GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0), "pingpong": 
                   "256-key-blocks": dict(gluon_block_n=256, gluon_overlap=0),
                   "fma-exponentials": dict(gluon_exp2_emulated=4),
                   "across-tiles": dict(gluon_across_tiles=1),
-                  "across-tiles-dealt-pingpong": dict(gluon_across_tiles=1, gluon_balanced=1, gluon_pingpong=1)}
+                  "across-tiles-dealt-pingpong": dict(gluon_across_tiles=1, gluon_balanced=1, gluon_pingpong=1),
+                  "across-tiles-dealt": dict(gluon_across_tiles=1, gluon_balanced=1),
+                  "one-consumer": dict(gluon_consumers=1, gluon_block_n=64),
+                  "one-consumer-dealt-across-tiles": dict(gluon_consumers=1, gluon_balanced=1, gluon_across_tiles=1)}
 GLUON_CASES = {
     "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
     "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
@@ -89,20 +92,28 @@ GLUON_CASES = {
     "d96-dv64-many-tiles": ((4, 1000, 1000, 16, 16, 96, 64), {}),
     "d128-causal-masked-tiles-alibi-many": ((4, 1500, 400, 16, 4, 128, 128), {"causal": True, "alibi": True}),
     "d96-window-many-tiles": ((4, 1000, 1000, 16, 16, 96, 96), {"window_size": (200, 0)}),
+    # causal with every row seeing a key (where gluon_across_tiles serves a band), more tiles than SMs
+    "d64-causal-gqa8-many-tiles": ((8, 1000, 1000, 16, 2, 64, 64), {"causal": True}),
+    "d128-causal-long-k-many-tiles": ((4, 900, 1000, 16, 4, 128, 128), {"causal": True}),
 }
 
 
 def _gluon_serves(case, settings) -> bool:
     """Three consumer warpgroups (160 registers each) and blocks of 256 keys (their shared memory) are d <= 64 settings,
-    whose 256-wide heads take blocks of 64 keys; three stages, and two tiles' query rows (gluon_across_tiles), do not
-    fit 256-wide heads; the latter is built for calls without a band (causal or a window) or ALiBi."""
-    unlike_across = case[1].get("causal") or "window_size" in case[1] or case[1].get("alibi")
+    whose 256-wide heads take blocks of 64 keys; one consumer (two CTAs per SM) takes heads up to 128 wide with blocks of
+    64 keys and up to 64 with 128; three stages, and two tiles' query rows (gluon_across_tiles), do not fit 256-wide
+    heads; the latter is built for calls without a left band edge or ALiBi whose every row sees a key."""
+    (_, seqlen_q, seqlen_k, *_), options = case
+    unlike_across = ("window_size" in options or options.get("alibi")
+                     or (options.get("causal") and seqlen_q > seqlen_k))
     return _serves_widths(case[0][5:], settings) and not (unlike_across and settings.get("gluon_across_tiles"))
 
 
 def _serves_widths(widths, settings) -> bool:
     width = max(widths)
     return not ((settings.get("gluon_consumers") == 3 and width > 64) or
+                (settings.get("gluon_consumers") == 1 and width > (128 if settings.get("gluon_block_n") == 64 else 64))
+                or
                 (settings.get("gluon_block_n") == 256 and 64 < width <= 128) or
                 ((settings.get("gluon_stages") == 3 or settings.get("gluon_across_tiles")) and width > 128))
 

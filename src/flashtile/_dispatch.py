@@ -178,8 +178,8 @@ class TritonBackend:
                 raise ValueError(f"tile setting {key} must be 0 or 1, got {value}")
             return
         if key == "gluon_consumers":
-            if value not in (2, 3):
-                raise ValueError(f"tile setting gluon_consumers must be 2 or 3, got {value}")
+            if value not in (1, 2, 3):
+                raise ValueError(f"tile setting gluon_consumers must be 1, 2 or 3, got {value}")
             return
         if key == "gluon_exp2_emulated":
             if value not in (0, 2, 4, 8):

@@ -29,7 +29,9 @@ class GluonTile:
     pingpong: bool = False  # the two consumers take turns issuing their matmuls (two consumers only)
     persistent: bool = True  # one CTA per SM looping over tiles; False: one CTA per tile
     balanced: bool = False  # persistent: tiles dealt by the launcher to the least loaded CTA, not in snake order
-    consumers: int = 2  # consumer warpgroups; three (192 query rows) is FlashAttention-3's tile at d = 64
+    # consumer warpgroups; three (192 query rows) is FlashAttention-3's tile at d = 64; one (64 query rows) runs two
+    # CTAs per SM, which the warp schedulers interleave as pingpong interleaves two consumers, from one copy of code
+    consumers: int = 2
     exp2_emulated: int = 0  # n: one exponential in n on the FMA units (FlashAttention-4's move; 0 none, 2, 4 or 8)
     # with overlap: the next tile's first score matmul and softmax step issued under this tile's last P V (each
     # consumer holds the query rows of two tiles)
@@ -43,12 +45,19 @@ class GluonTile:
     def consumer_registers(self) -> int:
         """setmaxnreg of each consumer warpgroup: with the load warpgroup's 24 (two consumers) or 32 (three), the
         warpgroups fill the 64K registers of an SM."""
-        return 240 if self.consumers == 2 else 160
+        return {1: 232, 2: 240, 3: 160}[self.consumers]
 
     @property
     def max_registers(self) -> int:
-        """The launch's cap per thread: (1 + consumers) warpgroups x 128 threads x the cap fit 64K registers."""
+        """The launch's cap per thread: ctas_per_sm x (1 + consumers) warpgroups x 128 threads x the cap fit 64K
+        registers."""
         return 168 if self.consumers == 2 else 128
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs resident per SM (a persistent grid launches this many per SM): two with one consumer (two load and
+        two consumer warpgroups, 128 registers a thread on average), else one."""
+        return 2 if self.consumers == 1 else 1
 
     def _grid(self) -> str:
         if not self.persistent:
@@ -57,7 +66,9 @@ class GluonTile:
                                         "tiles dealt in snake order")
 
     def describe(self) -> str:
-        return (f"BLOCK_M {self.block_m} ({self.consumers} consumer warpgroups of 64 rows) x BLOCK_N {self.block_n}, "
+        consumers = ("1 consumer warpgroup of 64 rows, 2 CTAs per SM" if self.consumers == 1 else
+                     f"{self.consumers} consumer warpgroups of 64 rows")
+        return (f"BLOCK_M {self.block_m} ({consumers}) x BLOCK_N {self.block_n}, "
                 f"{self.num_stages} K/V stages, {'with' if self.overlap else 'without'} intra-warpgroup overlap, "
                 f"{'with' if self.pingpong else 'without'} pingpong, "
                 f"{self._grid()}"
@@ -184,9 +195,9 @@ def _across_tiles_reason(p: AttentionProblem, tile: GluonTile) -> str:
     setting = "the next tile's first block under a tile's last P V (gluon_across_tiles)"
     if not tile.overlap:
         return f"{setting} continues the intra-warpgroup overlap: it needs gluon_overlap=1"
-    if p.varlen or p.is_banded:
-        return (f"{setting} is built for dense batches without a band (causal or a window), where every tile sees a "
-                "key")
+    if p.varlen or p.window_left >= 0 or (p.window_right >= 0 and p.diagonal_offset + p.window_right < 0):
+        return (f"{setting} is built for dense batches without a left band edge where every row sees a key (no "
+                "band, or causal with seqlen_q <= seqlen_k)")
     if tile.consumers == 3:
         return f"{setting} with three consumer warpgroups (160 registers each) spills"
     if p.has_alibi:
@@ -212,9 +223,9 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     widths = padded_width(p.headdim), padded_width(p.headdim_v)
     if not all(w in GLUON_WIDTHS for w in widths):
         return f"head dims {p.headdim} / {p.headdim_v} pad to widths {widths[0]} / {widths[1]}, not 64, 128 or 256"
-    if tile.consumers not in (2, 3) or (tile.pingpong and tile.consumers != 2):
+    if tile.consumers not in (1, 2, 3) or (tile.pingpong and tile.consumers != 2):
         pingpong = " in pingpong" if tile.pingpong else ""
-        return f"{tile.consumers} consumer warpgroups{pingpong}: it takes two or three, pingpong two"
+        return f"{tile.consumers} consumer warpgroups{pingpong}: it takes one, two or three, pingpong two"
     if tile.consumers == 3 and max(widths) > 64:
         return "three consumer warpgroups (160 registers each) take head widths up to 64"
     if tile.exp2_emulated not in (0, 2, 4, 8):
@@ -239,6 +250,10 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     if gluon_shared_bytes(p, tile) > SHARED_MEMORY_LIMIT:
         return (f"{tile.num_stages} stages need {gluon_shared_bytes(p, tile):,} bytes of shared memory, more than "
                 f"sm_90's {SHARED_MEMORY_LIMIT:,}")
+    if tile.ctas_per_sm > 1 and tile.ctas_per_sm * gluon_shared_bytes(p, tile) > SHARED_MEMORY_LIMIT:
+        return (f"one consumer warpgroup runs {tile.ctas_per_sm} CTAs per SM, and {tile.num_stages} stages of "
+                f"{gluon_block_n(p, tile)} keys need {gluon_shared_bytes(p, tile):,} bytes of shared memory each, "
+                f"more than sm_90's {SHARED_MEMORY_LIMIT:,} for {tile.ctas_per_sm}")
     return ""
 
 
@@ -488,8 +503,12 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
       389 / 381, 510 / 499, 554 / 547 (cuDNN 430 / 423, 541 / 529, 586 / 558).
     - causal, d = 64: at 4k keys as d = 128 (A / B 430 / 425 against one CTA per tile's 395 in A; cuDNN 423 / 415);
       from 16k keys three consumers without overlap, one CTA per tile (A / C 484 / 470 against the dealt two
-      consumers' 460 / 444; cuDNN 442 / 438); below 4k keys the Triton forward stays (A / B 309 / 302 against the
-      dealt tiles' 308 / 307; cuDNN 335 / 331).
+      consumers' 460 / 444; cuDNN 442 / 438).
+    - causal below 4k keys where every row sees a key, without ALiBi (raw/2026-12-03-h200-gluon-forward-causal-
+      across-tiles.jsonl): dealt tiles, each started under the last one's P V; d = 128 with pingpong: 432.4 against
+      423.3 dealt alone and 425.4 without pingpong (cuDNN 418 / 411); d = 64: 319.1 against 313.1 (cuDNN 336 / 331;
+      the Triton forward, which d = 64 kept before, read 309 / 302 in A / B). From 4k keys it read -1.5..-2.5%.
+      Elsewhere below 4k: d = 128 dealt tiles, d = 64 the Triton forward.
     - a left window edge: not measured, the Triton forward stays.
     - packed batches (22 sequences of 64..4,096 tokens, 16,682 in all, raw/2026-12-02-h200-gluon-forward-packed.jsonl):
       d = 128 two consumers, overlap, persistent in snake order (the launcher's deal needs the lengths on the host):
@@ -512,13 +531,17 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
         if not wide and shortest >= 4096:
             return dict(base, gluon_consumers=3, gluon_persistent=int(shortest < 16384))
         return dict(base, gluon_across_tiles=1) if shortest < 4096 and not problem.has_alibi else base
+    # below 4k keys, where every row sees a key and without ALiBi, each tile starts under the last one's P V
+    across = (problem.seqlen_k < 4096 and not problem.has_alibi
+              and problem.diagonal_offset + problem.window_right >= 0)
     if wide:
-        return dict(base, gluon_balanced=1)
+        return dict(base, gluon_balanced=1, gluon_across_tiles=1, gluon_pingpong=1) if across else \
+            dict(base, gluon_balanced=1)
     if problem.seqlen_k >= 16384:
         return dict(base, gluon_consumers=3, gluon_overlap=0, gluon_persistent=0)
     if problem.seqlen_k >= 4096:
         return dict(base, gluon_balanced=1)
-    return {}
+    return dict(base, gluon_balanced=1, gluon_across_tiles=1) if across else {}
 
 
 def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:

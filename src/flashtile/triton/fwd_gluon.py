@@ -7,15 +7,16 @@ row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
   loads each tile's query rows once and streams K and V blocks through a ring of NUM_STAGES shared-memory stages
   with TMA, each copy completing a "ready" mbarrier; it refills a K (or V) stage once every consumer has released
   it ("empty"): K after its score matmul, V after its P V;
-- BLOCK_M / 64 consumer warpgroups (two, or three for 192-row tiles; workers of 4 warps, CONSUMER_REGISTERS each
-  through `setmaxnreg`), each owning 64 of the tile's query rows. Each issues S = Q Kᵀ as an asynchronous wgmma
-  (Q and K from shared memory), runs the online softmax on S in registers, and issues O += P V with P converted in
-  registers to the wgmma's A operand (no round trip through shared memory), then normalises once and stores its
-  rows by TMA (staged in its query rows' buffer with SHARE_QO, where a buffer of its own would not fit).
+- BLOCK_M / 64 consumer warpgroups (two, three for 192-row tiles, or one with two CTAs per SM; workers of 4 warps,
+  CONSUMER_REGISTERS each through `setmaxnreg`), each owning 64 of the tile's query rows. Each issues S = Q Kᵀ as
+  an asynchronous wgmma (Q and K from shared memory), runs the online softmax on S in registers, and issues
+  O += P V with P converted in registers to the wgmma's A operand (no round trip through shared memory), then
+  normalises once and stores its rows by TMA (staged in its query rows' buffer with SHARE_QO, where a buffer of its own would not fit).
 - OVERLAP (intra-warpgroup overlap): a consumer issues Q Kᵀ of block j + 1 before the P V of block j and waits for
   the score matmul alone (`warpgroup_mma_wait(1)`), so its softmax of block j + 1 runs under its P V of block j;
   the accumulator's rescale waits for that P V.
-- ACROSS_TILES (with OVERLAP, dense calls without a band or ALiBi): the same across tiles: a consumer issues the
+- ACROSS_TILES (with OVERLAP; dense calls without a left band edge or ALiBi whose every row sees a key, so without a
+  band or causal with seqlen_q <= seqlen_k): the same across tiles: a consumer issues the
   next tile's first Q Kᵀ before its tile's last P V and runs that block's softmax under it, the query rows of
   consecutive tiles in two buffers taken in turn. Every tile sees a key there, so every tile's first block is done
   before the tile (the CTA's first before the tile loop) and the loop carries P without a branch on it.
@@ -428,16 +429,17 @@ if AVAILABLE:
 
     @gluon.jit
     def _first_block_of(wave, first, programs, TileList, sizes, score_args, packing, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, TILE_LIST: gl.constexpr, WG: gl.constexpr):
-        """Where consumer WG's first key block of the CTA's `wave`-th tile lies, in a dense batch without a band
-        and ALiBi (ACROSS_TILES): (the consumer's first query row, the sequence as _tile_sequence, the score
-        arguments, the block's first key, whether it needs the element mask)."""
+                        BLOCK_N: gl.constexpr, TILE_LIST: gl.constexpr, HAS_RIGHT: gl.constexpr, WG: gl.constexpr):
+        """Where consumer WG's first key block of the CTA's `wave`-th tile lies, in a dense batch without a left
+        band edge and ALiBi, where every row sees a key (ACROSS_TILES): (the consumer's first query row, the
+        sequence as _tile_sequence, the score arguments, the block's first key, whether it needs the element
+        mask)."""
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
         b, h, m0, sequence = _tile_sequence(_tile_number(wave, first, programs, TileList, TILE_LIST), sizes,
-                                            diagonal_offset, packing, BLOCK_M, False, False)
+                                            diagonal_offset, packing, BLOCK_M, HAS_RIGHT, False)
         batch, q_start, k_start, seqlen_q, seqlen_k, diagonal = sequence
         lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal, window_left, window_right, BLOCK_M,
-                                                    BLOCK_N, False, False)
+                                                    BLOCK_N, False, HAS_RIGHT)
         args = (score_scale, softcap_scale, softcap_out, diagonal, window_left, window_right)
         return m0 + WG * 64, sequence, args, lo, (lo < full_lo) | (lo >= full_hi)
 
@@ -533,15 +535,17 @@ if AVAILABLE:
         first, count = _tiles_of_this_cta(programs, waves, extra, TileStarts, TILE_LIST)
         if ACROSS_TILES:
             # each tile's first block is done before the tile (under the previous tile's last P V): its P and
-            # statistics. Every tile sees a key (a dense batch without a band, seqlen_k >= 1), so every tile after
-            # the CTA's first has its first block done at the previous one's end, and the tile loop holds no branch
-            # on it (such a branch made ptxas split P's bf16 pairs and spill them at d = 128). The CTA's first tile:
+            # statistics. Every tile sees a key (a dense batch without a left band edge, every row seeing a key), so
+            # every tile after the CTA's first has its first block done at the previous one's end, and the tile loop
+            # holds no branch on it (such a branch made ptxas split P's bf16 pairs and spill them at d = 128). The
+            # CTA's first tile:
             next_p_op = gl.zeros([64, BLOCK_N], dtype, layout=p_layout)
             next_m = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
             next_l = gl.full([64], 0.0, gl.float32, layout=row_layout)
             if count > 0:
                 row0_n, sequence_n, args_n, n0_n, masked_n = _first_block_of(
-                    0, first, programs, TileList, sizes, score_args, packing, BLOCK_M, BLOCK_N, TILE_LIST, WG)
+                    0, first, programs, TileList, sizes, score_args, packing, BLOCK_M, BLOCK_N, TILE_LIST, HAS_RIGHT,
+                    WG)
                 batch_n, q_start_n, k_start_n, seqlen_q_n, seqlen_k_n, diagonal_n = sequence_n
                 q_buffer, q_phase = _query_buffer(0, WG, CONSUMERS, Q_BUFFERS)
                 mbarrier.wait(q_ready.index(q_buffer), q_phase)
@@ -609,7 +613,7 @@ if AVAILABLE:
                             if wave + 1 < count:
                                 row0_n, sequence_n, args_n, n0_n, masked_n = _first_block_of(
                                     wave + 1, first, programs, TileList, sizes, score_args, packing, BLOCK_M, BLOCK_N,
-                                    TILE_LIST, WG)
+                                    TILE_LIST, HAS_RIGHT, WG)
                                 batch_n, q_start_n, k_start_n, seqlen_q_n, seqlen_k_n, diagonal_n = sequence_n
                                 next_buffer, next_phase = _query_buffer(tiles_done + 1, WG, CONSUMERS, Q_BUFFERS)
                                 mbarrier.wait(q_ready.index(next_buffer), next_phase)
@@ -684,14 +688,13 @@ if AVAILABLE:
         ACROSS_TILES: gl.constexpr,
     ):
         CONSUMERS: gl.constexpr = BLOCK_M // 64
-        gl.static_assert(CONSUMERS * 64 == BLOCK_M and (CONSUMERS == 2 or CONSUMERS == 3),
-                         "two or three consumer warpgroups of 64 query rows")
+        gl.static_assert(CONSUMERS * 64 == BLOCK_M and CONSUMERS >= 1 and CONSUMERS <= 3,
+                         "one, two or three consumer warpgroups of 64 query rows")
         gl.static_assert(not PINGPONG or CONSUMERS == 2, "pingpong takes turns between two consumers")
         gl.static_assert(not (VARLEN and TILE_LIST), "the launcher deals no packed batch's tiles")
-        gl.static_assert(not ACROSS_TILES or
-                         (OVERLAP and not (VARLEN or SHARE_QO or HAS_LEFT or HAS_RIGHT or HAS_ALIBI)),
+        gl.static_assert(not ACROSS_TILES or (OVERLAP and not (VARLEN or SHARE_QO or HAS_LEFT or HAS_ALIBI)),
                          "the next tile's first block under this tile's last P V: with overlap, dense batches "
-                         "without a band or ALiBi, the output staged apart from the query rows")
+                         "without a left band edge or ALiBi, the output staged apart from the query rows")
         Q_BUFFERS: gl.constexpr = 1 + ACROSS_TILES
         # shared memory: each consumer's query rows (of two tiles in turn with ACROSS_TILES) and output staging, the
         # K/V ring
@@ -739,7 +742,16 @@ if AVAILABLE:
         # the partitions' argument lists themselves: put in a tuple first, they reach the partitions as tensors
         # (docs/compiler-workarounds.md)
         # one consumer function for every consumer warpgroup, its index WG the last argument
-        if CONSUMERS == 2:
+        if CONSUMERS == 1:
+            gl.warp_specialize([
+                (_producer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
+                (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 0)),
+            ], [4], [CONSUMER_REGISTERS])
+        elif CONSUMERS == 2:
             gl.warp_specialize([
                 (_producer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,

@@ -387,7 +387,7 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
     query_blocks = _cdiv(p.seqlen_q, tile.block_m)
     num_tiles = query_blocks * p.batch * p.nheads
-    programs = min(num_tiles, _sm_count(q.device)) if tile.persistent else num_tiles
+    programs = min(num_tiles, tile.ctas_per_sm * _sm_count(q.device)) if tile.persistent else num_tiles
     _, block_n, share_qo = _gluon_plan(p, tile)
     _, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = scalars
     # longest-first order (a band closing on the right, packed batches) takes heads in groups whose K and V fit in L2
