@@ -76,7 +76,7 @@ def test_low_precision_follows_the_eager_rule(backend, shape, scenario, dtype, s
     q, k, v = random_qkv(*shape, dtype, requires_grad=True)
     sink = sinks(shape[3], dtype)
     kwargs = SCENARIOS[scenario]
-    with forced_tiles(backend, 16, 16):
+    with forced_tiles(backend, 16, 32):
         got = flashtile.flash_attn_func(q, k, v, return_lse=True, learnable_sink=sink, **kwargs)
     assert_attention_follows_the_eager_rule(
         got, flash_attn_reference(q, k, v, learnable_sink=sink, **kwargs),
@@ -84,7 +84,7 @@ def test_low_precision_follows_the_eager_rule(backend, shape, scenario, dtype, s
         names=("dq", "dk", "dv", "dsink"))
 
 
-@pytest.mark.parametrize("logit", (60.0, 1e4, -60.0, -1e4, -math.inf), ids=("60", "1e4", "-60", "-1e4", "-inf"))
+@pytest.mark.parametrize("logit", (60.0, 1e4, -1e4, -math.inf), ids=("60", "1e4", "-1e4", "-inf"))
 def test_extreme_sinks(backend, logit, seed):
     """A sink far above every score takes the whole row (out ~ 0, lse = the sink); one far below (or -inf) changes
     nothing (out and lse as without a sink, no gradient to the sink). Nothing overflows, nothing is NaN."""
@@ -105,7 +105,7 @@ def test_extreme_sinks(backend, logit, seed):
         plain_out, plain_lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
     torch.testing.assert_close(out, plain_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, plain_lse, atol=1e-6, rtol=1e-6)
-    assert grads[3].abs().max() < 1e-20, f"dsink {grads[3]}: a negligible sink gets (almost) none"
+    assert torch.equal(grads[3], torch.zeros_like(grads[3])), f"dsink {grads[3]}: a negligible sink gets none"
 
 
 def test_rows_without_keys_give_zero_and_the_sink(backend, seed):

@@ -125,7 +125,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     Returns:
         out (total_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) with lse
         (nheads, total_q) float32. Rows that see no key (including every row of a sequence with no keys)
-        get out 0, lse -inf (the sink, with one) and zero gradients for q, k, v; keys of a sequence with no
+        get out 0, lse -inf (with a sink: the sink) and zero gradients for q, k, v; keys of a sequence with no
         queries get zero gradients.
         The work is proportional to each sequence's own length (programs of short sequences exit early).
 
@@ -200,8 +200,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, carrying no gradient; with
-        return_softmax_lse=True, (out, lse). Rows that see no key get out 0 and lse -inf (the sink, with
-        one).
+        return_softmax_lse=True, (out, lse). Rows that see no key get out 0 and lse -inf (with a sink: lse =
+        the sink).
 
     Raises:
         TypeError / ValueError naming the argument and the rule, including a write past a cache's capacity,

@@ -76,7 +76,7 @@ def combine_splits(outs: list[torch.Tensor], lses: list[torch.Tensor],
     """Merge partial results exactly: outs (..., seqlen_q, nheads, dv) and lses (..., nheads, seqlen_q) per split,
     with learnable_sink (nheads,) as one more term of the denominator (a split of lse = sink and out = 0).
 
-    Rows that no split could see keep out = 0 and lse = -inf (the sink with one).
+    Rows that no split could see keep out = 0 and lse = -inf (with a sink: lse = the sink).
     """
     lse_stack = torch.stack(lses)  # (splits, ..., nheads, seqlen_q)
     if learnable_sink is None:
@@ -118,7 +118,9 @@ def attention_over_cache(call: KVCacheCall, tiles: torch_impl.TorchTiles,
         slopes = torch_impl.sequence_slopes(call.alibi_slopes, b)
         partial_outs, partial_lses = [], []
         for k0, k1 in split_bounds(length, num_splits):
-            chunk = replace(p, batch=1, seqlen_k=k1 - k0, diagonal_offset=length - seqlen_q - k0, kvcache=False)
+            # the chunks are attended without the sink, which joins their merge once
+            chunk = replace(p, batch=1, seqlen_k=k1 - k0, diagonal_offset=length - seqlen_q - k0, kvcache=False,
+                            has_sink=False)
             out, lse = torch_impl.attention_forward(call.q[b:b + 1], keys[:, k0:k1], values[:, k0:k1], slopes,
                                                     None, chunk, tiles)
             partial_outs.append(out)

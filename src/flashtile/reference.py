@@ -116,7 +116,7 @@ def flash_attn_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: T
     q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]), cu_seqlens_* (nseq + 1,);
     alibi_slopes (nheads,) or (nseq, nheads); learnable_sink (nheads,). Returns (out (total_q, nheads,
     headdim_v), lse (nheads, total_q)) in `dtype`; rows of a sequence with no keys get out 0 and lse -inf
-    (the sink, with one).
+    (with a sink: lse = the sink).
     """
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []

@@ -193,7 +193,7 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
     attn_mask broadcast to (batch, nheads, seqlen_q, seqlen_k) or None; learnable_sink (nheads,) or None.
     Returns out (batch, seqlen_q, nheads, headdim_v), contiguous, in q's dtype, and lse
     (batch, nheads, seqlen_q), contiguous, in the accumulation dtype: for rows that see no key, out = 0 and
-    lse = -inf (the sink with one).
+    lse = -inf (with a sink: lse = the sink).
     """
     p = problem
     ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
