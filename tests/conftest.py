@@ -171,12 +171,13 @@ def attention_grads(out, lse, inputs, grad_out, grad_lse):
     return torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
 
 
-def assert_attention_follows_the_eager_rule(got, want, eager, inputs, dtype, seed):
+def assert_attention_follows_the_eager_rule(got, want, eager, inputs, dtype, seed, names=("dq", "dk", "dv")):
     """got / want / eager: (out, lse) from flashtile, the float64 oracle and the same formula evaluated
-    eagerly in `dtype`. Checks out and lse, then dq, dk, dv through both (random cotangents), each within
-    2x the eager error + the rounding floor, and the dtypes flashtile returns. Returns flashtile's (dq, dk, dv),
-    the cotangents (grad_out, grad_lse) they were taken with and the eager rule's bound of each of out, lse, dq,
-    dk and dv (eager_rule_bound), for callers that compare another run."""
+    eagerly in `dtype`. Checks out and lse, then the gradients of `inputs` (named by `names`: dq, dk, dv for
+    q, k, v) through both (random cotangents), each within 2x the eager error + the rounding floor, and the
+    dtypes flashtile returns (each gradient in its input's dtype). Returns flashtile's gradients, the cotangents
+    (grad_out, grad_lse) they were taken with and the eager rule's bound of each of out, lse and the named
+    gradients (eager_rule_bound), for callers that compare another run."""
     (out, lse), (ref_out, ref_lse), (eager_out, eager_lse) = got, want, eager
     assert out.dtype == dtype and lse.dtype == torch.float32, f"out {out.dtype}, lse {lse.dtype}"
     lse_dtype = torch.float32 if dtype == torch.float32 else dtype
@@ -186,8 +187,8 @@ def assert_attention_follows_the_eager_rule(got, want, eager, inputs, dtype, see
               "lse": eager_rule_bound(ref_lse, eager_lse, lse_dtype)}
     grad_out, grad_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
     grads = [attention_grads(o, l, inputs, grad_out, grad_lse) for o, l in (got, want, eager)]
-    for name, g, w, e in zip(("dq", "dk", "dv"), *grads):
-        assert g.dtype == dtype, f"{name} has dtype {g.dtype}, expected {dtype}"
+    for name, t, g, w, e in zip(names, inputs, *grads):
+        assert g.dtype == t.dtype, f"{name} has dtype {g.dtype}, expected {t.dtype}"
         assert_close_to_oracle(name, g, w, e, dtype, seed)
         bounds[name] = eager_rule_bound(w, e, dtype)
     return grads[0], (grad_out, grad_lse), bounds

@@ -74,8 +74,8 @@ def main():
         # the bf16 d128 causal variants of the TMA forward and the backward as the benchmarks run them: no ALiBi,
         # the scale inside exp2
         plain = dict(HAS_ALIBI=False, SCALE_IN_EXP2=True) if dtype == "bf16" and headdim == 128 else {}
-        fwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32", "Slopes": "*fp32", "Mask": "*u8",
-                    "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
+        fwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32", "Slopes": "*fp32", "Sink": "*fp32",
+                    "Mask": "*u8", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
         bwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "dOut": ptr, "Out": ptr, "Lse": "*fp32", "Delta": "*fp32",
                     "dLse": "*fp32", "dK": ptr,
                     "dV": ptr, "dQ": ptr, "Slopes": "*fp32", "Mask": "*u8",
@@ -86,7 +86,7 @@ def main():
         tag_varlen = tag + (" varlen" if varlen else "")
         results.append(compile_variant(f"fwd {tag_varlen}", attention_fwd_kernel,
                                        dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0,
-                                            VARLEN=varlen), fwd_ptrs, 8, 3))
+                                            VARLEN=varlen, HAS_SINK=causal), fwd_ptrs, 8, 3))
         # schedule 1 at the table's tiles (for bf16 d = 128 128-key blocks, the largest forward tile, with the
         # band); schedule 2 (opt-in) at its 128-row tiles, band on every tile
         forward = table_tiles(dtype, headdim, causal)
@@ -101,8 +101,10 @@ def main():
             results.append(compile_variant(
                 f"fwd-tma schedule {schedule} {tag}{' varlen' if packed else ''}", attention_fwd_tma_kernel,
                 dict(flags, BLOCK_M=128, BLOCK_N=block_n, WARP_SPECIALIZE=schedule == 2, MASK_ALL=causal,
-                     VARLEN=packed, SEPARATE_RAGGED_END=bool(forward.forward_separate_ragged_end), **plain),
-                dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32"),
+                     VARLEN=packed, SEPARATE_RAGGED_END=bool(forward.forward_separate_ragged_end), HAS_SINK=causal,
+                     **plain),
+                dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", Sink="*fp32", CuSeqlensQ="*i32",
+                     CuSeqlensK="*i32"),
                 warps, stages))
         if dtype == "bf16" and headdim == 128:
             # the fa4 schedule (FlashAttention-4's moves) at its tiles: the column split of its exponentials takes
@@ -116,7 +118,8 @@ def main():
                 dict(flags, BLOCK_M=fa4.block_m, BLOCK_N=fa4.block_n, WARP_SPECIALIZE=False, MASK_ALL=causal,
                      VARLEN=False, SEPARATE_RAGGED_END=bool(fa4.forward_separate_ragged_end),
                      RESCALE_THRESHOLD=fa4.rescale_threshold, EXP2_POLY_EVERY=fa4.exp2_poly_every, **plain),
-                dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32"),
+                dict(descriptors, Q=ptr, Out=ptr, Lse="*fp32", Slopes="*fp32", Sink="*fp32", CuSeqlensQ="*i32",
+                     CuSeqlensK="*i32"),
                 fa4.num_warps, fa4.num_stages))
         results.append(compile_variant(f"bwd-preprocess {tag}", attention_bwd_preprocess_kernel,
                                        dict(HEADDIM_V=headdim, BLOCK_M=64, BLOCK_DV=width, HAS_DLSE=causal),
@@ -162,8 +165,8 @@ def main():
         paged, split = dtype == "bf16", causal
         decode_flags = {key: value for key, value in flags.items() if key not in ("HEADDIM_V", "SCALE_IN_EXP2")}
         decode_ptrs = {"Q": ptr, "KCache": ptr, "VCache": ptr, "CacheSeqlens": "*i32", "BlockTable": "*i32",
-                       "CacheBatchIdx": "*i32", "CacheLeftpad": "*i32", "Slopes": "*fp32", "Out": ptr, "Lse": "*fp32",
-                       "Part": "*fp32"}
+                       "CacheBatchIdx": "*i32", "CacheLeftpad": "*i32", "Slopes": "*fp32", "Sink": "*fp32", "Out": ptr,
+                       "Lse": "*fp32", "Part": "*fp32"}
         # paged bf16 with both page tiles (16-key blocks for pages of 16, 64-key blocks for pages of 256)
         for large_pages in (False, True) if paged and headdim == 128 else (False,):
             page_size = (256 if large_pages else 16) if paged else None
@@ -174,11 +177,11 @@ def main():
                 attention_decode_kernel,
                 dict(decode_flags, HEADDIM_V=headdim, BLOCK_M=16, BLOCK_N=decode_tile.block_n, PAGED=paged,
                      PAGE_CHUNK=page_chunk(decode_tile.block_n, page_size),
-                     SPLIT=split, STORE_LSE=not split, HAS_BATCH_IDX=False, HAS_LEFTPAD=False),
+                     SPLIT=split, STORE_LSE=not split, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_SINK=not split),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
-                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True),
-                                   {"Part": "*fp32", "Out": "*bf16", "Lse": "*fp32"}, 4, 1))
+                                   dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True, HAS_SINK=True),
+                                   {"Part": "*fp32", "Out": "*bf16", "Lse": "*fp32", "Sink": "*fp32"}, 4, 1))
     json.dump(results, sys.stdout)
 
 

@@ -5,7 +5,7 @@ the launch; each recorded launch is bound by Triton's own binder for an sm_90 ta
 the specialisation a GPU launch would give it (an integer argument equal to 1 becomes a constant, multiples of 16
 are marked divisible, pointers are marked 16-byte aligned), and is then compiled by Triton and ptxas.
 
-    python tests/sm90_launches.py SEQLEN_Q SEQLEN_K HEADDIM [--causal] [--dtype fp16|bf16] [--headdim-v N]
+    python tests/sm90_launches.py SEQLEN_Q SEQLEN_K HEADDIM [--causal] [--sink] [--dtype fp16|bf16] [--headdim-v N]
 
 prints one JSON line per launch: kernel, constexprs that name the tile, registers, spills, shared memory, or the
 compiler's error. TRITON_INTERPRET must be off (the kernels must be JIT functions, not interpreted ones).
@@ -69,14 +69,15 @@ def recorded_launches():
 
 
 def problem_for(seqlen_q: int, seqlen_k: int, headdim: int, headdim_v: int, dtype: torch.dtype, causal: bool,
-                batch: int = 1, nheads: int = 2, nheads_k: int | None = None, alibi: bool = False) -> AttentionProblem:
-    """A dense flash_attn_func problem (bottom-right causal alignment)."""
+                batch: int = 1, nheads: int = 2, nheads_k: int | None = None, alibi: bool = False,
+                sink: bool = False) -> AttentionProblem:
+    """A dense flash_attn_func problem (bottom-right causal alignment), with a learnable sink where `sink`."""
     return AttentionProblem(batch=batch, nheads=nheads, nheads_k=nheads_k or nheads, seqlen_q=seqlen_q,
                             seqlen_k=seqlen_k,
                             headdim=headdim, headdim_v=headdim_v, dtype=dtype, device=torch.device("cpu"),
                             softmax_scale=headdim ** -0.5, window_left=-1, window_right=0 if causal else -1,
                             diagonal_offset=seqlen_k - seqlen_q, alignment="bottom-right", softcap=0.0,
-                            has_alibi=alibi, mask_kind=None)
+                            has_alibi=alibi, mask_kind=None, has_sink=sink)
 
 
 def launches_of(problem: AttentionProblem, tiles: configs.TritonTiles | None = None) -> list[RecordedLaunch]:
@@ -88,9 +89,11 @@ def launches_of(problem: AttentionProblem, tiles: configs.TritonTiles | None = N
     k = torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim, dtype=p.dtype)
     v = torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim_v, dtype=p.dtype)
     slopes = torch.ones(p.nheads) if p.has_alibi else None
+    sink = torch.zeros(p.nheads) if p.has_sink else None
     with recorded_launches() as recorded:
-        out, lse = launchers.forward(q, k, v, slopes, None, p, tiles)
-        launchers.backward(torch.zeros_like(out), None, q, k, v, out, lse, slopes, None, p, tiles)
+        out, lse = launchers.forward(q, k, v, slopes, None, p, tiles, learnable_sink=sink)
+        launchers.backward(torch.zeros_like(out), None, q, k, v, out, lse, slopes, None, p, tiles,
+                           learnable_sink=sink)
     return recorded
 
 
@@ -139,13 +142,14 @@ def main(argv=None) -> int:
     parser.add_argument("--headdim-v", type=int)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--alibi", action="store_true")
+    parser.add_argument("--sink", action="store_true", help="with a learnable sink")
     parser.add_argument("--nheads", type=int, default=2)
     parser.add_argument("--nheads-k", type=int)
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     args = parser.parse_args(argv)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     problem = problem_for(args.seqlen_q, args.seqlen_k, args.headdim, args.headdim_v or args.headdim, dtype,
-                          args.causal, nheads=args.nheads, nheads_k=args.nheads_k, alibi=args.alibi)
+                          args.causal, nheads=args.nheads, nheads_k=args.nheads_k, alibi=args.alibi, sink=args.sink)
     failed = False
     for recorded in launches_of(problem):
         row = compile_report(recorded)

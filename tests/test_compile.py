@@ -13,9 +13,11 @@ from conftest import DEVICE
 class Block(torch.nn.Module):
     """A self-attention block: projections around flashtile (and the SDPA drop-in for comparison)."""
 
-    def __init__(self, width=64, heads=4, kv_heads=2, use_sdpa=False):
+    def __init__(self, width=64, heads=4, kv_heads=2, use_sdpa=False, sink=False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.use_sdpa = heads, kv_heads, width // heads, use_sdpa
+        # a learnable sink per query head (gpt-oss): a parameter the compiled graph differentiates
+        self.sink = torch.nn.Parameter(torch.linspace(-1.0, 1.0, heads)) if sink else None
         self.q = torch.nn.Linear(width, width)
         self.kv = torch.nn.Linear(width, 2 * kv_heads * self.head_dim)
         self.o = torch.nn.Linear(width, width)
@@ -28,17 +30,20 @@ class Block(torch.nn.Module):
             out = flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                          is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
-            out, lse = flashtile.flash_attn_func(q, k, v, causal=True, softcap=20.0, return_lse=True)
+            out, lse = flashtile.flash_attn_func(q, k, v, causal=True, softcap=20.0, return_lse=True,
+                                                 learnable_sink=self.sink)
             out = out + lse.transpose(1, 2).unsqueeze(-1) * 1e-3  # the lse output is differentiable too
         return self.o(out.reshape(b, s, w))
 
 
-@pytest.mark.parametrize("use_sdpa", (False, True), ids=("flash_attn_func", "sdpa"))
-def test_fullgraph_compile_matches_eager(backend, use_sdpa):
+@pytest.mark.parametrize("use_sdpa, sink", ((False, False), (True, False), (False, True)),
+                         ids=("flash_attn_func", "sdpa", "learnable_sink"))
+def test_fullgraph_compile_matches_eager(backend, use_sdpa, sink):
     torch._dynamo.reset()  # the backend choice is baked in at trace time
     torch.manual_seed(0)
-    model = Block(use_sdpa=use_sdpa).to(DEVICE)
+    model = Block(use_sdpa=use_sdpa, sink=sink).to(DEVICE)
     x = torch.randn(2, 37, 64, device=DEVICE, requires_grad=True)
+    inputs = (x, model.sink) if sink else (x,)
     graphs = []
 
     def recording_backend(gm, example_inputs):
@@ -47,26 +52,31 @@ def test_fullgraph_compile_matches_eager(backend, use_sdpa):
 
     with flashtile.use_backend(backend):
         eager = model(x)
-        (eager_grad,) = torch.autograd.grad(eager.square().sum(), x)
+        eager_grads = torch.autograd.grad(eager.square().sum(), inputs)
         compiled = torch.compile(model, fullgraph=True, backend=recording_backend)
         out = compiled(x)
-        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        grads = torch.autograd.grad(out.square().sum(), inputs)
     torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grad, eager_grad, atol=1e-5, rtol=1e-5)
+    for grad, eager_grad in zip(grads, eager_grads):
+        torch.testing.assert_close(grad, eager_grad, atol=1e-5, rtol=1e-5)
     ops = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
     assert any("flashtile.attention_forward" in op for op in ops), f"custom op not in the graph: {ops}"
 
 
-def test_compile_with_aot_autograd_uses_the_fake_implementations(backend):
-    """aot_eager traces forward and backward with fake tensors: shapes and dtypes must agree."""
+@pytest.mark.parametrize("sink", (False, True), ids=("plain", "learnable_sink"))
+def test_compile_with_aot_autograd_uses_the_fake_implementations(backend, sink):
+    """aot_eager traces forward and backward with fake tensors: shapes and dtypes must agree (the sink's gradient
+    too)."""
     torch._dynamo.reset()
-    model = Block().to(DEVICE)
+    model = Block(sink=sink).to(DEVICE)
     x = torch.randn(1, 21, 64, device=DEVICE, requires_grad=True)
     with flashtile.use_backend(backend):
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         out = compiled(x)
         out.sum().backward()
     assert out.shape == (1, 21, 64) and x.grad is not None and x.grad.isfinite().all()
+    if sink:
+        assert model.sink.grad is not None and model.sink.grad.isfinite().all() and model.sink.grad.abs().max() > 0
 
 
 def _validated_calls():
@@ -76,9 +86,12 @@ def _validated_calls():
     flash = dict(dropout_p=0.0, softmax_scale=None, deterministic=False, return_attn_probs=False, return_lse=False)
     yield prepare_flash_attn(q, k, v, causal=True, window_size=(3, -1), softcap=2.0,
                              alibi_slopes=torch.rand(2, 4, device=DEVICE), **flash)
+    yield prepare_flash_attn(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             learnable_sink=torch.randn(4, device=DEVICE), **flash)
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([0, 4, 9], [0, 6, 13]))
     yield prepare_flash_attn_varlen(q[0], k[0], v[0], cu_q, cu_k, 5, 7, causal=True, window_size=(-1, -1),
-                                    softcap=0.0, alibi_slopes=torch.rand(2, 4, device=DEVICE), **flash)
+                                    softcap=0.0, alibi_slopes=torch.rand(2, 4, device=DEVICE),
+                                    learnable_sink=torch.randn(4, device=DEVICE), **flash)
     qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
     for mask in (torch.rand(9, 13, device=DEVICE) > 0.3, torch.randn(9, 13, device=DEVICE), None):
         yield prepare_sdpa(qs, ks, vs, attn_mask=mask, dropout_p=0.0, is_causal=mask is None, scale=None,
@@ -92,7 +105,7 @@ def test_custom_op_rebuilds_the_problem_the_eager_path_runs():
 
     for call in _validated_calls():
         p = call.problem
-        rebuilt = autograd._problem(call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, call.cu_seqlens_q,
-                                    p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right,
-                                    p.diagonal_offset, p.softcap, p.alignment)
+        rebuilt = autograd._problem(call.q, call.k, call.v, call.learnable_sink, call.alibi_slopes, call.attn_mask,
+                                    call.cu_seqlens_q, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left,
+                                    p.window_right, p.diagonal_offset, p.softcap, p.alignment)
         assert rebuilt == p, (rebuilt, p)

@@ -52,6 +52,28 @@ def test_triton_realistic_shapes(case, dtype, seed):
                                             seed)
 
 
+# A learnable sink through the tile table's kernels: the TMA forward on sm_90 (the Gluon forward turns sinks away) and
+# the table's backward, with rows that see no key (causal, seqlen_q > seqlen_k) and ragged ends past 4k
+SINK_CASES = {
+    "d128-gqa-causal": ((2, 2048, 2048, 16, 4, 128, 128), {"causal": True}),
+    "d64-long-q-causal-masked-rows": ((1, 3000, 700, 8, 2, 64, 64), {"causal": True}),
+    "d128-gqa-long-ragged": ((1, 4100, 4100, 8, 2, 128, 128), {}),
+}
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("case", SINK_CASES.values(), ids=SINK_CASES.keys())
+def test_triton_realistic_shapes_with_a_learnable_sink(case, dtype, seed):
+    shape, kwargs = case
+    q, k, v = random_qkv(*shape, dtype, requires_grad=True)
+    sink = (torch.randn(shape[3], device=DEVICE) + 1.0).requires_grad_(True)
+    with flashtile.use_backend("triton"):
+        got = flashtile.flash_attn_func(q, k, v, return_lse=True, learnable_sink=sink, **kwargs)
+    assert_attention_follows_the_eager_rule(got, flash_attn_reference(q, k, v, learnable_sink=sink, **kwargs),
+                                            flash_attn_reference(q, k, v, dtype=dtype, learnable_sink=sink, **kwargs),
+                                            (q, k, v, sink), dtype, seed, names=("dq", "dk", "dv", "dsink"))
+
+
 # The Gluon forward (forward_schedule 3) in each of its settings, forced, on the edges its schedule has: one key or
 # query, ragged ends of both, seqlen_q != seqlen_k both ways (fully masked rows when causal and seqlen_q > seqlen_k),
 # GQA 8:1, dv != d, a padded head dim, windows, softcap and ALiBi (forward only: the backward is the Triton one)

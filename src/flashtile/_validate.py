@@ -58,6 +58,9 @@ class AttentionProblem:
     # attention over a KV cache (flash_attn_with_kvcache): seqlen_k is the cache's capacity and each
     # sequence's own length (cache_seqlens + new tokens, bottom-right aligned) is known at run time
     kvcache: bool = False
+    # a learnable sink (learnable_sink): one logit per query head that joins every row's softmax denominator
+    # without a value, so the lse includes it and a row that sees no key gets out 0 and lse = the sink
+    has_sink: bool = False
 
     @property
     def group_size(self) -> int:
@@ -83,6 +86,8 @@ class AttentionProblem:
                  "ALiBi" if self.has_alibi else "no ALiBi"]
         if self.mask_kind is not None:
             parts.append(f"{self.mask_kind} attn_mask")
+        if self.has_sink:
+            parts.append("learnable sink (one logit per query head in every row's softmax denominator)")
         return ", ".join(parts)
 
 
@@ -226,6 +231,24 @@ def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.de
     return slopes
 
 
+def _check_sink(learnable_sink: object, nheads: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor | None:
+    """Return the sink logits (nheads,) as given, or None. The values are not read (a tensor on a GPU would cost a
+    synchronisation): a sink of -inf acts as no sink, +inf or NaN gives undefined results."""
+    if learnable_sink is None:
+        return None
+    sink = _require_tensor("learnable_sink", learnable_sink)
+    if sink.dtype not in (torch.float32, dtype):
+        allowed = "float32" if dtype == torch.float32 else f"float32 or q's dtype ({dtype})"
+        raise TypeError(f"learnable_sink has dtype {sink.dtype}; it must be {allowed}")
+    if sink.device != device:
+        raise ValueError(f"learnable_sink is on {sink.device} but q is on {device}")
+    if tuple(sink.shape) != (nheads,):
+        raise ValueError(f"learnable_sink has shape {tuple(sink.shape)}; it must be (nheads,) = ({nheads},): one "
+                         f"logit per query head")
+    return sink
+
+
 @dataclass(frozen=True)
 class PreparedCall:
     """Validated tensors in the flash layout (batch, seqlen, heads, dim) plus the problem description."""
@@ -239,6 +262,7 @@ class PreparedCall:
     # packed sequences: q, k, v are (1, total, heads, dim) and these int32 (nseq + 1,) offsets split them
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
+    learnable_sink: torch.Tensor | None = None  # (nheads,), float32 or q's dtype
 
 
 def _check_flash_qkv(q, k, v, dims: tuple[str, ...]) -> None:
@@ -287,7 +311,7 @@ def _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
 
 
 def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs, return_lse) -> PreparedCall:
+                       deterministic, return_attn_probs, return_lse, learnable_sink=None) -> PreparedCall:
     """Validate `flash_attn_func` arguments (flash-attn layout, bottom-right alignment)."""
     _check_flash_qkv(q, k, v, ("batch", "seqlen", "nheads", "headdim"))
     batch, seqlen_q, nheads, headdim = q.shape
@@ -295,13 +319,15 @@ def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size
     scale, left, right, cap = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
                                                    deterministic, return_attn_probs, return_lse, headdim)
     slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
+    sink = _check_sink(learnable_sink, nheads, q.dtype, q.device)
 
     problem = AttentionProblem(
         batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         headdim=headdim, headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale,
         window_left=left, window_right=right, diagonal_offset=seqlen_k - seqlen_q, alignment="bottom-right", softcap=cap,
-        has_alibi=slopes is not None, mask_kind=None)
-    return PreparedCall(*(unit_last_stride(t) for t in (q, k, v)), alibi_slopes=slopes, attn_mask=None, problem=problem)
+        has_alibi=slopes is not None, mask_kind=None, has_sink=sink is not None)
+    return PreparedCall(*(unit_last_stride(t) for t in (q, k, v)), alibi_slopes=slopes, attn_mask=None, problem=problem,
+                        learnable_sink=sink)
 
 
 def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, device: torch.device) -> int:
@@ -345,7 +371,7 @@ def _check_max_seqlen(name: str, value: object) -> int:
 
 def prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p,
                               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                              return_attn_probs, return_lse) -> PreparedCall:
+                              return_attn_probs, return_lse, learnable_sink=None) -> PreparedCall:
     """Validate `flash_attn_varlen_func` arguments; q, k, v come back as (1, total, heads, dim) views."""
     _check_flash_qkv(q, k, v, ("total_tokens", "nheads", "headdim"))
     total_q, nheads, headdim = q.shape
@@ -360,15 +386,17 @@ def prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     scale, left, right, cap = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
                                                    deterministic, return_attn_probs, return_lse, headdim)
     slopes = _check_alibi(alibi_slopes, nseq, nheads, q.device, batch_name="nseq")
+    sink = _check_sink(learnable_sink, nheads, q.dtype, q.device)
     problem = AttentionProblem(
         batch=nseq, nheads=nheads, nheads_k=nheads_k, seqlen_q=max_q, seqlen_k=max_k, headdim=headdim,
         headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
         window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap,
-        has_alibi=slopes is not None, mask_kind=None, varlen=True)
+        has_alibi=slopes is not None, mask_kind=None, varlen=True, has_sink=sink is not None)
     packed = (unit_last_stride(t).unsqueeze(0) for t in (q, k, v))
     # the kernels index cu_seqlens as a contiguous array; a strided view is copied (nseq + 1 ints)
     return PreparedCall(*packed, alibi_slopes=slopes, attn_mask=None, problem=problem,
-                        cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous())
+                        cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous(),
+                        learnable_sink=sink)
 
 
 def _check_attn_mask(attn_mask: object, full_shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
@@ -476,6 +504,7 @@ class KVCacheCall:
     layout: "_KVCacheLayout"
     cache_batch_idx: torch.Tensor | None = None
     cache_leftpad: torch.Tensor | None = None
+    learnable_sink: torch.Tensor | None = None  # (nheads,), float32 or q's dtype
 
     @property
     def problem(self) -> AttentionProblem:
@@ -619,7 +648,8 @@ def _kvcache_signature(tensors: tuple, values: tuple) -> tuple | None:
 
 def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
                     softcap, alibi_slopes, num_splits, return_softmax_lse, check_values=None, cache_batch_idx=None,
-                    cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True) -> KVCacheCall:
+                    cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                    learnable_sink=None) -> KVCacheCall:
     """Validate `flash_attn_with_kvcache` arguments before anything is written.
 
     The capacity and block-table rules need the values of cache_seqlens and block_table. They are
@@ -641,7 +671,7 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     tensor_seqlens = type(cache_seqlens) is torch.Tensor
     signature = _kvcache_signature(
         (q, k_cache, v_cache, k, v, block_table, alibi_slopes, cache_seqlens if tensor_seqlens else None,
-         cache_batch_idx, cache_leftpad),
+         cache_batch_idx, cache_leftpad, learnable_sink),
         (None if tensor_seqlens else cache_seqlens, softmax_scale, causal, *window, softcap, num_splits,
          return_softmax_lse, check_values))
     layout = _KVCACHE_LAYOUTS.get(signature) if signature is not None else None
@@ -650,7 +680,7 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
                                  causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                  num_splits=num_splits, return_softmax_lse=return_softmax_lse,
                                  check_values=check_values, cache_batch_idx=cache_batch_idx,
-                                 cache_leftpad=cache_leftpad)
+                                 cache_leftpad=cache_leftpad, learnable_sink=learnable_sink)
         if signature is not None:
             if len(_KVCACHE_LAYOUTS) >= MAX_KVCACHE_LAYOUTS:
                 _KVCACHE_LAYOUTS.clear()
@@ -669,12 +699,13 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     return KVCacheCall(q=unit_last_stride(q), k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
                        cache_seqlens=cache_seqlens, block_table=block_table,
                        alibi_slopes=alibi_slopes.unsqueeze(0) if layout.slopes_row else alibi_slopes,
-                       layout=layout, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+                       layout=layout, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                       learnable_sink=learnable_sink)
 
 
 def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
                     softcap, alibi_slopes, num_splits, return_softmax_lse, check_values, cache_batch_idx,
-                    cache_leftpad) -> _KVCacheLayout:
+                    cache_leftpad, learnable_sink) -> _KVCacheLayout:
     """prepare_kvcache's rules that need no tensor values (raising TypeError / ValueError)."""
     _require_tensor("q", q)
     if q.dim() != 4:
@@ -785,11 +816,12 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     left, right = _check_window(window_size, causal)
     cap = _check_softcap(softcap)
     slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
+    sink = _check_sink(learnable_sink, nheads, q.dtype, q.device)
     problem = AttentionProblem(
         batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=capacity, headdim=headdim,
         headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
         window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap, has_alibi=slopes is not None,
-        mask_kind=None, kvcache=True)
+        mask_kind=None, kvcache=True, has_sink=sink is not None)
     indices = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
     strided_index = any(isinstance(t, torch.Tensor) and not t.is_contiguous() for t in indices)
     index_values = cache_batch_idx is not None or cache_leftpad is not None

@@ -13,7 +13,9 @@ One implementation (`_run_forward`, `_run_backward`: the chosen backend's passes
 The forward saves q, k, v, out and the per-row lse (O(N * d) memory, never a seqlen x seqlen
 tensor); the backward hands them to the same backend's recompute-based backward pass. The lse is
 an output with a gradient of its own (d lse / d s = P), so losses that use it (e.g. when merging
-attention over several key shards) differentiate correctly.
+attention over several key shards) differentiate correctly. A learnable sink (one logit per query
+head in every row's softmax denominator) is a differentiable input: the backends return its gradient
+beside dq, dk and dv.
 
 The custom ops take the problem as plain scalars (custom ops accept tensors, numbers and strings),
 the backend by name and its tiles as a list of ints; `_problem` rebuilds the AttentionProblem.
@@ -29,13 +31,14 @@ from torch.autograd.function import once_differentiable
 from ._dispatch import BACKENDS
 from ._validate import AttentionProblem, PreparedCall, unit_last_stride
 
-# the operator's tensor arguments after q, k, v: optional ones that get no gradient (the non-tensor
-# arguments after them differ between the two paths, see _save)
+# the operator's tensor arguments after q, k, v and the learnable sink (the inputs with a gradient): optional ones
+# that get no gradient (the non-tensor arguments after them differ between the two paths, see _save)
 _NO_GRAD_TENSORS = ("alibi_slopes", "attn_mask", "cu_seqlens_q", "cu_seqlens_k")
+_GRAD_TENSORS = 4  # q, k, v, learnable_sink
 
 
-def _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-             window_right, diagonal_offset, softcap, alignment) -> AttentionProblem:
+def _problem(q, k, v, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+             softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment) -> AttentionProblem:
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
     if cu_seqlens_q is not None:  # packed sequences: (1, total, heads, dim); batch = number of sequences
@@ -46,43 +49,47 @@ def _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_s
         window_right=window_right, diagonal_offset=diagonal_offset, alignment=alignment, softcap=softcap,
         has_alibi=alibi_slopes is not None,
         mask_kind=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive"),
-        varlen=cu_seqlens_q is not None)
+        varlen=cu_seqlens_q is not None, has_sink=learnable_sink is not None)
 
 
-def _run_forward(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, problem, backend, tiles):
-    return BACKENDS[backend].forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k)
+def _run_forward(q, k, v, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, problem, backend,
+                 tiles):
+    return BACKENDS[backend].forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q, cu_seqlens_k,
+                                     learnable_sink)
 
 
-def _run_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
-                  problem, backend, tiles):
+def _run_backward(grad_out, grad_lse, q, k, v, out, lse, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q,
+                  cu_seqlens_k, problem, backend, tiles):
+    """dq, dk, dv and the sink's gradient (None without a sink)."""
     return BACKENDS[backend].backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
-                                      tiles, cu_seqlens_q, cu_seqlens_k)
+                                      tiles, cu_seqlens_q, cu_seqlens_k, learnable_sink)
 
 
-def _from_scalars(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
-                  window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
+def _from_scalars(q, k, v, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
     """(problem, backend, tiles object) from the custom ops' plain arguments."""
-    problem = _problem(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
-                       window_left, window_right, diagonal_offset, softcap, alignment)
+    problem = _problem(q, k, v, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                       softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment)
     return problem, backend, BACKENDS[backend].tiles_from_list(tiles)
 
 
 @torch.library.custom_op("flashtile::attention_forward", mutates_args=())
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
-                      attn_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                      cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                      softmax_scale: float, window_left: int, window_right: int, diagonal_offset: int, softcap: float,
-                      alignment: str, backend: str, tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, learnable_sink: Optional[torch.Tensor],
+                      alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                      cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int,
+                      max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+                      diagonal_offset: int, softcap: float, alignment: str, backend: str,
+                      tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """out (batch, seqlen_q, nheads, headdim_v) in q's dtype; lse (batch, nheads, seqlen_q) in the accumulation
     dtype. Packed sequences (cu_seqlens given): q (1, total_q, ...), out (1, total_q, ...), lse (1, nheads, total_q)."""
-    plan = _from_scalars(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
-                         window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles)
-    return _run_forward(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, *plan)
+    plan = _from_scalars(q, k, v, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles)
+    return _run_forward(q, k, v, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, *plan)
 
 
 @attention_forward.register_fake
-def _(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
+def _(q, k, v, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
     batch, seqlen_q, nheads, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (q.new_empty(batch, seqlen_q, nheads, v.shape[3]), q.new_empty(batch, nheads, seqlen_q, dtype=acc))
@@ -90,45 +97,52 @@ def _(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 @torch.library.custom_op("flashtile::attention_backward", mutates_args=())
 def attention_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
-                       attn_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                       cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                       softmax_scale: float, window_left: int, window_right: int, diagonal_offset: int,
-                       softcap: float, alignment: str, backend: str,
-                       tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv: contiguous, shaped like q, k, v, in their dtype. grad_lse None means zero."""
-    plan = _from_scalars(q, k, v, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
-                         window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles)
-    return _run_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
-                         *plan)
+                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optional[torch.Tensor],
+                       alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                       cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int,
+                       max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+                       diagonal_offset: int, softcap: float, alignment: str, backend: str,
+                       tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv: contiguous, shaped like q, k, v, in their dtype; and the sink's gradient shaped like learnable_sink
+    in its dtype (an empty tensor without a sink: a custom op returns tensors only). grad_lse None means zero."""
+    plan = _from_scalars(q, k, v, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles)
+    dq, dk, dv, dsink = _run_backward(grad_out, grad_lse, q, k, v, out, lse, learnable_sink, alibi_slopes, attn_mask,
+                                      cu_seqlens_q, cu_seqlens_k, *plan)
+    return dq, dk, dv, q.new_empty(0) if dsink is None else dsink
 
 
 @attention_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment, backend, tiles):
+def _(grad_out, grad_lse, q, k, v, out, lse, learnable_sink, alibi_slopes, attn_mask, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, diagonal_offset, softcap, alignment,
+      backend, tiles):
+    dsink = q.new_empty(0) if learnable_sink is None else torch.empty_like(learnable_sink)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+            torch.empty(v.shape, dtype=v.dtype, device=v.device), dsink)
 
 
 def _save(ctx, inputs, output) -> None:
-    """Keep q, k, v, out, lse and the _NO_GRAD_TENSORS for the backward; the rest of `inputs` (the custom
-    op's scalars, or the eager path's problem, backend and tiles) goes to ctx.rest as it is."""
+    """Keep q, k, v, out, lse, the learnable sink and the _NO_GRAD_TENSORS for the backward; the rest of `inputs`
+    (the custom op's scalars, or the eager path's problem, backend and tiles) goes to ctx.rest as it is."""
     out, lse = output
-    ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:3 + len(_NO_GRAD_TENSORS)])
-    ctx.rest = inputs[3 + len(_NO_GRAD_TENSORS):]
+    tensors = _GRAD_TENSORS + len(_NO_GRAD_TENSORS)
+    ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:tensors])
+    ctx.rest = inputs[tensors:]
 
 
 def _gradients(ctx, grad_out, grad_lse, backward):
     """The autograd formula of both paths; `backward` is the custom op (it takes ctx.rest as scalars) or
     _run_backward (problem, backend, tiles)."""
-    q, k, v, out, lse, *no_grad_tensors = ctx.saved_tensors
+    q, k, v, out, lse, learnable_sink, *no_grad_tensors = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     # grad_lse stays None when the caller never used lse: the backends skip that term
     # a gradient built by expand() (e.g. from .sum().backward()) has stride 0 everywhere
     grad_out = unit_last_stride(grad_out)
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *no_grad_tensors, *ctx.rest)
-    return (dq, dk, dv) + (None,) * (len(_NO_GRAD_TENSORS) + len(ctx.rest))
+    dq, dk, dv, dsink = backward(grad_out, grad_lse, q, k, v, out, lse, learnable_sink, *no_grad_tensors, *ctx.rest)
+    if learnable_sink is None:
+        dsink = None
+    return (dq, dk, dv, dsink) + (None,) * (len(_NO_GRAD_TENSORS) + len(ctx.rest))
 
 
 attention_forward.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, grad_lse,
@@ -137,7 +151,8 @@ attention_forward.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(c
 
 
 class _EagerAttention(torch.autograd.Function):
-    """Inputs: q, k, v, the _NO_GRAD_TENSORS, then (problem, backend name, the backend's tiles object)."""
+    """Inputs: q, k, v, learnable_sink, the _NO_GRAD_TENSORS, then (problem, backend name, the backend's tiles
+    object)."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -159,11 +174,14 @@ def attention(call: PreparedCall, backend: str, tiles: tuple[int, ...]) -> tuple
     sequences out (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q).
     """
     p = call.problem
-    tensors = (call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, call.cu_seqlens_q, call.cu_seqlens_k)
+    sink = call.learnable_sink
+    tensors = (call.q, call.k, call.v, sink, call.alibi_slopes, call.attn_mask, call.cu_seqlens_q,
+               call.cu_seqlens_k)
     if torch.compiler.is_compiling():
         out, lse = attention_forward(*tensors, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left,
                                      p.window_right, p.diagonal_offset, p.softcap, p.alignment, backend, list(tiles))
-    elif torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad):
+    elif torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad
+                                      or (sink is not None and sink.requires_grad)):
         out, lse = _EagerAttention.apply(*tensors, p, backend, BACKENDS[backend].tiles_from_list(tiles))
     else:
         # nothing to differentiate: the backend directly (the autograd.Function's own cost, ~15 us of host time

@@ -14,10 +14,19 @@ causal (1 = attend):
 and for seqlen_q = 5, seqlen_k = 2, causal:
 
     0 0              rows 0..2 see no key at all: they get out = 0 and lse = -inf
-    0 0
+    0 0              (with a learnable sink: out = 0 and lse = the sink)
     0 0
     1 0
     1 1
+
+A learnable sink (`learnable_sink`, as in gpt-oss and flash-attn's CuTe interface) is one logit per query
+head, s_h, in natural-log units and not multiplied by softmax_scale, that joins every query row's softmax
+denominator without a value:
+
+    out_i = sum_j exp(S_ij) v_j / (exp(s_h) + sum_j exp(S_ij)),   lse_i = log(exp(s_h) + sum_j exp(S_ij))
+
+so a row may give less than all of its attention to the keys (a large sink: out near 0; s_h = -inf: no sink).
+Its gradient is -sum_i exp(s_h - lse_i) * (rowsum(dO_i * out_i) - dlse_i) over the rows of head h.
 
 `scaled_dot_product_attention` keeps torch's top-left alignment (query i sees keys j <= i).
 """
@@ -37,7 +46,8 @@ from .autograd import attention
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Tensor | None = None, deterministic: bool = False, return_attn_probs: bool = False,
-                    *, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                    *, return_lse: bool = False,
+                    learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention in linear memory, with flash-attn's signature and layout.
 
     Args:
@@ -59,12 +69,19 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         deterministic: accepted for compatibility; every flashtile backend is deterministic here.
         return_attn_probs: must be False (True would materialise the probabilities; raises NotImplementedError).
         return_lse: also return the log-sum-exp of each row's final scores.
+        learnable_sink: (nheads,) float32 or q's dtype, on q's device, or None: one logit per query head (GQA:
+            per query head, not per K/V head) joining every row's softmax denominator without a value, in
+            natural-log units and not multiplied by softmax_scale (see the module docstring). Differentiable:
+            its gradient has its shape and dtype. Values must not be +inf or NaN (not checked: reading them
+            would synchronise); -inf means no sink for that head. Keyword-only (flash-attn's CuTe interface
+            takes it after window_size, where this signature keeps flash-attn 2's softcap).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) where
-        lse (batch, nheads, seqlen_q) is float32 (natural log). A row that sees no key (fully masked,
-        or seqlen_k == 0) gets out = 0, lse = -inf and zero gradients. Gradients flow to q, k, v (and
-        through lse when it is used).
+        lse (batch, nheads, seqlen_q) is float32 (natural log; it includes the sink's term). A row that sees
+        no key (fully masked, or seqlen_k == 0) gets out = 0, lse = -inf and zero gradients; with a sink,
+        out = 0 and lse = the sink (finite), and its gradient reaches the sink only through lse. Gradients flow
+        to q, k, v and learnable_sink (and through lse when it is used).
 
     Raises:
         TypeError / ValueError naming the argument and the rule for any invalid input;
@@ -74,7 +91,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """
     call = prepare_flash_attn(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                              deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse)
+                              deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse,
+                              learnable_sink=learnable_sink)
     out, lse = attention(call, *_dispatch.resolve(call.problem))
     return (out, lse) if return_lse else out
 
@@ -84,8 +102,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softmax_scale: float | None = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                           return_attn_probs: bool = False, *,
-                           return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                           return_attn_probs: bool = False, *, return_lse: bool = False,
+                           learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences, with flash-attn's signature (no padding).
 
     Args:
@@ -102,11 +120,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         return_lse: as in `flash_attn_func`, applied to each sequence on its own; causal and windows are
             bottom-right aligned per sequence (a sequence's last query row sees its last key).
         alibi_slopes: (nheads,) or (nseq, nheads).
+        learnable_sink: (nheads,) or None, as in `flash_attn_func`: the same logits for every sequence.
 
     Returns:
         out (total_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) with lse
         (nheads, total_q) float32. Rows that see no key (including every row of a sequence with no keys)
-        get out 0, lse -inf and zero gradients; keys of a sequence with no queries get zero gradients.
+        get out 0, lse -inf (with a sink: the sink) and zero gradients for q, k, v; keys of a sequence with no
+        queries get zero gradients.
         The work is proportional to each sequence's own length (programs of short sequences exit early).
 
     Raises:
@@ -117,7 +137,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                      dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                      deterministic=deterministic, return_attn_probs=return_attn_probs,
-                                     return_lse=return_lse)
+                                     return_lse=return_lse, learnable_sink=learnable_sink)
     out, lse = attention(call, *_dispatch.resolve(call.problem))
     # squeeze, not [0]: a view whose backward is a view too (indexing's backward filled a zero tensor and copied the
     # gradient into it, 0.18 ms of a 16 ms packed fwd+bwd step on an H200)
@@ -132,7 +152,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Tensor | None = None,
                             num_splits: int = 0, return_softmax_lse: bool = False, *,
-                            check_values: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                            check_values: bool | None = None,
+                            learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Decoding and chunked prefill against a KV cache, with flash-attn's signature and argument order
     (forward only), so positional calls written for flash-attn mean the same here.
 
@@ -174,10 +195,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             and block_table, are checked (see Raises). None (default): where that is free, i.e. for an
             int cache_seqlens and for tensors on the CPU. True: also for tensors on a GPU, at the cost
             of a few device ops and one synchronisation per call. False: only for an int cache_seqlens.
+        learnable_sink: (nheads,) or None, as in `flash_attn_func` (no gradient here). With num_splits > 1
+            the splits attend their keys without it and it joins their merge once.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, carrying no gradient; with
-        return_softmax_lse=True, (out, lse). Rows that see no key get out 0 and lse -inf.
+        return_softmax_lse=True, (out, lse). Rows that see no key get out 0 and lse -inf (with a sink: lse =
+        the sink).
 
     Raises:
         TypeError / ValueError naming the argument and the rule, including a write past a cache's capacity,
@@ -198,7 +222,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            num_splits=num_splits, return_softmax_lse=return_softmax_lse, check_values=check_values,
                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
-                           rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
+                           rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                           learnable_sink=learnable_sink)
     name, tiles = _dispatch.resolve(call.problem, call.layout.resolutions)  # raises before the cache is touched
     backend = _dispatch.BACKENDS[name]
     kvcache.append_to_cache(call)

@@ -8,7 +8,8 @@ merges them exactly with the log-sum-exp identity:
     lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) * o_s
 
 (a chunk no query row can see has lse_s = -inf and weight 0). The result equals unsplit attention
-up to rounding, whatever the split count.
+up to rounding, whatever the split count. A learnable sink joins the merge once, as one more term
+with lse_s = the sink and o_s = 0 (the chunks themselves are attended without it).
 
 The cache is either contiguous, (batch_cache, capacity, nheads_k, dim), or paged, (num_blocks, page_size,
 nheads_k, dim) with a block table mapping sequence b's page i to block block_table[b, i]. A contiguous
@@ -70,13 +71,19 @@ def sequence_keys(call: KVCacheCall, b: int, length: int, row: int | None = None
     return call.k_cache[first, second].unsqueeze(0), call.v_cache[first, second].unsqueeze(0)
 
 
-def combine_splits(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partial results exactly: outs (..., seqlen_q, nheads, dv) and lses (..., nheads, seqlen_q) per split.
+def combine_splits(outs: list[torch.Tensor], lses: list[torch.Tensor],
+                   learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial results exactly: outs (..., seqlen_q, nheads, dv) and lses (..., nheads, seqlen_q) per split,
+    with learnable_sink (nheads,) as one more term of the denominator (a split of lse = sink and out = 0).
 
-    Rows that no split could see keep lse = -inf and out = 0.
+    Rows that no split could see keep out = 0 and lse = -inf (with a sink: lse = the sink).
     """
     lse_stack = torch.stack(lses)  # (splits, ..., nheads, seqlen_q)
-    lse = torch.logsumexp(lse_stack, dim=0)
+    if learnable_sink is None:
+        lse = torch.logsumexp(lse_stack, dim=0)
+    else:
+        sink = learnable_sink.to(lse_stack.dtype)[:, None].expand(lse_stack.shape[1:])
+        lse = torch.logsumexp(torch.cat([lse_stack, sink[None]]), dim=0)
     finite = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
     weights = torch.exp(lse_stack - finite)  # exp(-inf) = 0 for splits a row never saw
     out = sum(w.transpose(-1, -2).unsqueeze(-1) * o.to(w.dtype) for w, o in zip(weights, outs))
@@ -111,12 +118,14 @@ def attention_over_cache(call: KVCacheCall, tiles: torch_impl.TorchTiles,
         slopes = torch_impl.sequence_slopes(call.alibi_slopes, b)
         partial_outs, partial_lses = [], []
         for k0, k1 in split_bounds(length, num_splits):
-            chunk = replace(p, batch=1, seqlen_k=k1 - k0, diagonal_offset=length - seqlen_q - k0, kvcache=False)
+            # the chunks are attended without the sink, which joins their merge once
+            chunk = replace(p, batch=1, seqlen_k=k1 - k0, diagonal_offset=length - seqlen_q - k0, kvcache=False,
+                            has_sink=False)
             out, lse = torch_impl.attention_forward(call.q[b:b + 1], keys[:, k0:k1], values[:, k0:k1], slopes,
                                                     None, chunk, tiles)
             partial_outs.append(out)
             partial_lses.append(lse)
-        out, lse = combine_splits(partial_outs, partial_lses)
+        out, lse = combine_splits(partial_outs, partial_lses, call.learnable_sink)
         outs.append(out.to(p.dtype))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses).float()

@@ -30,8 +30,8 @@ def _unpack(name: str, packed: object, rank: int, dim: int, parts: int, layout: 
 def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                               causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                              return_attn_probs: bool = False, *,
-                              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                              return_attn_probs: bool = False, *, return_lse: bool = False,
+                              learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """`flash_attn_func` on q, k, v stacked in one tensor, with flash-attn's signature.
 
     Args:
@@ -39,8 +39,8 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale
             views qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2] (read in place, not copied), so seqlen_q = seqlen_k,
             nheads_k = nheads and headdim_v = headdim (for GQA use `flash_attn_kvpacked_func`).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, return_lse: as in `flash_attn_func` (dropout_p must be 0.0 and return_attn_probs
-            False there).
+        return_attn_probs, return_lse, learnable_sink: as in `flash_attn_func` (dropout_p must be 0.0 and
+            return_attn_probs False there).
 
     Returns:
         out (batch, seqlen, nheads, headdim) in qkv's dtype; with return_lse=True, (out, lse) with lse
@@ -51,14 +51,14 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale
     """
     q, k, v = _unpack("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, return_lse=return_lse)
+                           deterministic, return_attn_probs, return_lse=return_lse, learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                              causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                             return_attn_probs: bool = False, *,
-                             return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                             return_attn_probs: bool = False, *, return_lse: bool = False,
+                             learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """`flash_attn_func` with k and v stacked in one tensor, with flash-attn's signature.
 
     Args:
@@ -66,7 +66,8 @@ def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, soft
         kv: (batch, seqlen_k, 2, nheads_k, headdim), q's dtype and device; k and v are its views kv[:, :, 0]
             and kv[:, :, 1] (read in place), so headdim_v = headdim. nheads % nheads_k == 0 (GQA / MQA).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, return_lse: as in `flash_attn_func`; causal and windows are bottom-right aligned.
+        return_attn_probs, return_lse, learnable_sink: as in `flash_attn_func`; causal and windows are bottom-right
+            aligned.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype; with return_lse=True, (out, lse) with lse
@@ -77,15 +78,15 @@ def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, soft
     """
     k, v = _unpack("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, return_lse=return_lse)
+                           deterministic, return_attn_probs, return_lse=return_lse, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
                                      softmax_scale: float | None = None, causal: bool = False,
                                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                                     return_attn_probs: bool = False, *,
-                                     return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                                     return_attn_probs: bool = False, *, return_lse: bool = False,
+                                     learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """`flash_attn_varlen_func` on packed sequences whose q, k, v are stacked in one tensor (flash-attn's signature).
 
     Args:
@@ -95,7 +96,7 @@ def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen
             cu_seqlens[i] .. cu_seqlens[i + 1] - 1 (rules as for cu_seqlens_q in `flash_attn_varlen_func`).
         max_seqlen: int >= 0, the grid hint for both max_seqlen_q and max_seqlen_k.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes ((nheads,) or (nseq, nheads)),
-        deterministic, return_attn_probs, return_lse: as in `flash_attn_varlen_func`, per sequence.
+        deterministic, return_attn_probs, return_lse, learnable_sink: as in `flash_attn_varlen_func`, per sequence.
 
     Returns:
         out (total, nheads, headdim) in qkv's dtype; with return_lse=True, (out, lse) with lse (nheads, total)
@@ -107,7 +108,7 @@ def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen
     q, k, v = _unpack("qkv", qkv, 4, 1, 3, "(total, 3, nheads, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
                                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                  return_lse=return_lse)
+                                  return_lse=return_lse, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -115,8 +116,8 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
                                     softmax_scale: float | None = None, causal: bool = False,
                                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                     alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                                    return_attn_probs: bool = False, *,
-                                    return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                                    return_attn_probs: bool = False, *, return_lse: bool = False,
+                                    learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """`flash_attn_varlen_func` with k and v stacked in one tensor, with flash-attn's signature.
 
     Args:
@@ -124,7 +125,8 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
         kv: (total_k, 2, nheads_k, headdim), q's dtype and device; k and v are its views kv[:, 0] and kv[:, 1]
             (read in place). nheads % nheads_k == 0.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
-        softcap, alibi_slopes, deterministic, return_attn_probs, return_lse: as in `flash_attn_varlen_func`.
+        softcap, alibi_slopes, deterministic, return_attn_probs, return_lse, learnable_sink: as in
+            `flash_attn_varlen_func`.
 
     Returns:
         out (total_q, nheads, headdim) in q's dtype; with return_lse=True, (out, lse) with lse
@@ -136,4 +138,4 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
     k, v = _unpack("kv", kv, 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs, return_lse=return_lse)
+                                  return_attn_probs, return_lse=return_lse, learnable_sink=learnable_sink)

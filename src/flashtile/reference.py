@@ -2,9 +2,10 @@
 
 Deliberately the obvious algorithm and independent of the tiled code (it shares no helper with
 it): build the whole seqlen_q x seqlen_k score matrix in float64, apply softcap, ALiBi and masks,
-take the softmax, multiply by V. It is differentiable with ordinary autograd (and NaN-free for
-fully masked rows), so tests take gradients of it too. Use it for checking, never for speed: it
-needs O(seqlen_q * seqlen_k) memory per head.
+take the softmax, multiply by V. A learnable sink is one more column of the score matrix, holding
+its head's logit, whose probability multiplies no value. It is differentiable with ordinary autograd
+(and NaN-free for fully masked rows), so tests take gradients of it too. Use it for checking, never
+for speed: it needs O(seqlen_q * seqlen_k) memory per head.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = ["attention_reference", "flash_attn_reference", "flash_attn_varlen_ref
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None = None,
                         window_size: tuple[int, int] = (-1, -1), diagonal_offset: int = 0, softcap: float = 0.0,
                         alibi_slopes: Tensor | None = None, attn_mask: Tensor | None = None,
+                        learnable_sink: Tensor | None = None,
                         dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
     """Dense float64 attention in the (batch, nheads, seqlen, headdim) layout.
 
@@ -28,11 +30,12 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float
     and (right < 0 or j <= i + diagonal_offset + right) with (left, right) = window_size.
     Scores: softmax_scale * q.k, then softcap * tanh(score / softcap) when softcap > 0, then
     - slope[b, h] * |i + diagonal_offset - j| for alibi_slopes (H,) or (B, H), then attn_mask
-    (bool, True = attend; or float, added), broadcastable to (B, H, Sq, Sk).
+    (bool, True = attend; or float, added), broadcastable to (B, H, Sq, Sk). learnable_sink (H,): the
+    logit of an extra key column of every row of head h that has no value (natural log, not scaled).
 
     Returns (out (B, H, Sq, Dv), lse (B, H, Sq)), both in `dtype` (float64: the oracle; the input
     dtype gives the "same-dtype eager" baseline of the low-precision test rule). A row that sees no
-    key gets out = 0 and lse = -inf.
+    key gets out = 0 and lse = -inf (with a sink: lse = the sink).
     """
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     batch, nheads, seqlen_q, headdim = q.shape
@@ -66,7 +69,10 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float
 
     # softmax written out so that fully masked rows give 0 (not NaN) in both passes
     masked = scores.masked_fill(~allowed, float("-inf"))
-    if seqlen_k == 0:  # no keys at all: amax has nothing to reduce
+    if learnable_sink is not None:  # the sink's column, last: it joins the softmax and multiplies no value
+        sink_column = learnable_sink.to(dtype).reshape(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        masked = torch.cat([masked, sink_column], dim=-1)
+    if masked.shape[-1] == 0:  # no keys at all: amax has nothing to reduce
         row_max = torch.zeros(batch, nheads, seqlen_q, 1, dtype=dtype, device=q.device)
     else:
         row_max = masked.amax(dim=-1, keepdim=True).detach()
@@ -75,7 +81,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float
     total = weights.sum(dim=-1, keepdim=True)
     has_keys = total > 0
     probs = weights / torch.where(has_keys, total, torch.ones_like(total))
-    out = probs @ v
+    out = probs[..., :seqlen_k] @ v
     lse = torch.where(has_keys, row_max + torch.log(torch.where(has_keys, total, torch.ones_like(total))),
                       torch.full_like(total, float("-inf")))
     return out, lse.squeeze(-1)
@@ -83,11 +89,11 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float
 
 def flash_attn_reference(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None, causal: bool = False,
                          window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                         alibi_slopes: Tensor | None = None,
-                         dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+                         alibi_slopes: Tensor | None = None, dtype: torch.dtype = torch.float64,
+                         learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Oracle for `flashtile.flash_attn_func`: flash-attn layout, bottom-right alignment.
 
-    q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]).
+    q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]); learnable_sink (nheads,).
     Returns (out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) in `dtype`.
     """
     left, right = window_size
@@ -96,20 +102,21 @@ def flash_attn_reference(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float |
     out, lse = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                    softmax_scale=softmax_scale, window_size=(left, right),
                                    diagonal_offset=k.shape[1] - q.shape[1], softcap=softcap,
-                                   alibi_slopes=alibi_slopes, dtype=dtype)
+                                   alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dtype=dtype)
     return out.transpose(1, 2), lse
 
 
 def flash_attn_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                 softmax_scale: float | None = None, causal: bool = False,
                                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                                alibi_slopes: Tensor | None = None,
-                                dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+                                alibi_slopes: Tensor | None = None, dtype: torch.dtype = torch.float64,
+                                learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Oracle for `flashtile.flash_attn_varlen_func`: each packed sequence on its own, bottom-right aligned.
 
     q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]), cu_seqlens_* (nseq + 1,);
-    alibi_slopes (nheads,) or (nseq, nheads). Returns (out (total_q, nheads, headdim_v), lse
-    (nheads, total_q)) in `dtype`; rows of a sequence with no keys get out 0 and lse -inf.
+    alibi_slopes (nheads,) or (nseq, nheads); learnable_sink (nheads,). Returns (out (total_q, nheads,
+    headdim_v), lse (nheads, total_q)) in `dtype`; rows of a sequence with no keys get out 0 and lse -inf
+    (with a sink: lse = the sink).
     """
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
@@ -120,7 +127,7 @@ def flash_attn_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: T
             slopes = alibi_slopes[i:i + 1]
         out, lse = flash_attn_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale=softmax_scale,
                                         causal=causal, window_size=window_size, softcap=softcap,
-                                        alibi_slopes=slopes, dtype=dtype)
+                                        alibi_slopes=slopes, dtype=dtype, learnable_sink=learnable_sink)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:  # no sequences: empty results, still connected to q for autograd

@@ -13,6 +13,11 @@ repeating K/V: the G = nheads // nheads_k query heads that share one K/V head ar
 rows of the query tile, so one matmul serves them all. Key blocks outside the causal/window band
 are never touched; only blocks straddling a band edge pay for an element mask.
 
+A learnable sink (one logit per query head, in every row's softmax denominator without a value) is the
+online softmax's starting point: running max = the sink, running sum = 1 (exp(sink - sink)), so the lse includes
+it and a row that sees no key ends with out = 0 and lse = the sink. The backward needs nothing new for dq, dk, dv;
+the sink's gradient comes from delta and lse (flashtile._sink).
+
 Memory is O(N * d): the largest seqlen-by-seqlen object is one (rows x block_k) tile. Arithmetic
 is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs. The working copies of K and V are
 laid out (batch * nheads_k, seqlen_k, headdim) in the accumulation dtype.
@@ -25,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._geometry import key_blocks, query_blocks
+from ._sink import sink_gradient
 from ._validate import AttentionProblem
 
 NEG_INF = float("-inf")
@@ -162,16 +168,32 @@ def _score_tile(ops: _Operands, q_block: torch.Tensor, k_t_tile: torch.Tensor, i
     return scores, tanh
 
 
-def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem,
-                      tiles: TorchTiles) -> tuple[torch.Tensor, torch.Tensor]:
+def _initial_row_stats(ops: _Operands, learnable_sink: torch.Tensor | None,
+                       n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(running max, running sum) the online softmax of a block of n query positions starts from, each
+    (batch*nheads_k, group*n): (-inf, 0) without a sink; with one, (the sink of each row's head, 1), the sink's own
+    term exp(sink - max) of the denominator."""
+    p = ops.problem
+    shape = (ops.batch_heads, p.group_size * n)
+    if learnable_sink is None:
+        return (torch.full(shape, NEG_INF, dtype=ops.acc, device=p.device),
+                torch.zeros(shape, dtype=ops.acc, device=p.device))
+    # rows are (group member g, position i) -> g * n + i within each (batch, K/V head): query head hk * group + g
+    heads = learnable_sink.detach().to(ops.acc).view(1, p.nheads_k, p.group_size, 1)
+    row_max = heads.expand(p.batch, p.nheads_k, p.group_size, n).reshape(shape)
+    return row_max, torch.ones(shape, dtype=ops.acc, device=p.device)
+
+
+def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TorchTiles,
+                      learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward pass.
 
     q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
     v (batch, seqlen_k, nheads_k, headdim_v), any strides; alibi_slopes (batch or 1, nheads) or None;
-    attn_mask broadcast to (batch, nheads, seqlen_q, seqlen_k) or None.
+    attn_mask broadcast to (batch, nheads, seqlen_q, seqlen_k) or None; learnable_sink (nheads,) or None.
     Returns out (batch, seqlen_q, nheads, headdim_v), contiguous, in q's dtype, and lse
-    (batch, nheads, seqlen_q), contiguous, in the accumulation dtype: -inf, with out = 0, for rows
-    that see no key.
+    (batch, nheads, seqlen_q), contiguous, in the accumulation dtype: for rows that see no key, out = 0 and
+    lse = -inf (with a sink: lse = the sink).
     """
     p = problem
     ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
@@ -181,8 +203,7 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
         i1 = min(i0 + tiles.block_q, p.seqlen_q)
         rows = p.group_size * (i1 - i0)
         q_block = _query_block(ops, i0, i1)
-        row_max = torch.full((ops.batch_heads, rows), NEG_INF, dtype=ops.acc, device=p.device)
-        row_sum = torch.zeros(ops.batch_heads, rows, dtype=ops.acc, device=p.device)
+        row_max, row_sum = _initial_row_stats(ops, learnable_sink, i1 - i0)
         acc = torch.zeros(ops.batch_heads, rows, p.headdim_v, dtype=ops.acc, device=p.device)
         for j0, j1, needs_mask in key_blocks(p, i0, i1, tiles.block_k):
             scores, _ = _score_tile(ops, q_block, ops.k_t[:, :, j0:j1], i0, i1, j0, j1, needs_mask)
@@ -204,8 +225,9 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
 
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask,
-                       problem: AttentionProblem, tiles: TorchTiles):
-    """Recompute-based backward pass: returns (dq, dk, dv), contiguous, shaped like q, k, v, in their dtype.
+                       problem: AttentionProblem, tiles: TorchTiles, learnable_sink: torch.Tensor | None = None):
+    """Recompute-based backward pass: returns (dq, dk, dv), contiguous, shaped like q, k, v, in their dtype, and
+    the sink's gradient (shaped like learnable_sink; None without a sink).
 
     Layouts as in attention_forward; grad_out is shaped like out, grad_lse like lse or None (zero);
     either may have any strides, stride 0 included.
@@ -224,6 +246,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
     delta = (grad_out.to(ops.acc) * out.to(ops.acc)).sum(dim=-1)
     if grad_lse is not None:
         delta -= grad_lse.to(ops.acc)
+    dsink = None if learnable_sink is None else sink_gradient(learnable_sink, lse, delta)
     grad_out5 = grad_out.view(b, hk, g, p.seqlen_q, p.headdim_v)
     # The per-row constants (-lse for S, -delta for dP) ride along the matmuls as an extra column
     # of Q / dO against a row of ones in K^T / V^T, saving one pass over every tile. Softcap
@@ -284,7 +307,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
     for index, i0 in enumerate(range(0, p.seqlen_q, tiles.block_q)):
         i1 = min(i0 + tiles.block_q, p.seqlen_q)
         dq[:, i0:i1] = _rows_to_block(ops, dq_blocks[index].mul_(p.softmax_scale), i0, i1)
-    return dq, dk, dv
+    return dq, dk, dv, dsink
 
 
 def _sequences(problem: AttentionProblem, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
@@ -306,7 +329,8 @@ def sequence_slopes(alibi_slopes: torch.Tensor | None, index: int) -> torch.Tens
 
 
 def varlen_attention_forward(q, k, v, alibi_slopes, problem: AttentionProblem, tiles: TorchTiles,
-                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             learnable_sink: torch.Tensor | None = None):
     """Packed sequences, one dense tiled forward per sequence (work follows the real lengths).
 
     q (1, total_q, nheads, headdim), k / v (1, total_k, nheads_k, headdim[_v]); problem.batch is the
@@ -319,21 +343,27 @@ def varlen_attention_forward(q, k, v, alibi_slopes, problem: AttentionProblem, t
         if sequence.seqlen_q == 0:
             continue
         out[:, rows_q], lse[:, :, rows_q] = attention_forward(
-            q[:, rows_q], k[:, rows_k], v[:, rows_k], sequence_slopes(alibi_slopes, index), None, sequence, tiles)
+            q[:, rows_q], k[:, rows_k], v[:, rows_k], sequence_slopes(alibi_slopes, index), None, sequence, tiles,
+            learnable_sink)
     return out, lse
 
 
 def varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, problem: AttentionProblem,
-                              tiles: TorchTiles, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
-    """Backward of varlen_attention_forward: (dq, dk, dv) in the packed layout; keys no query sees get 0."""
+                              tiles: TorchTiles, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                              learnable_sink: torch.Tensor | None = None):
+    """Backward of varlen_attention_forward: (dq, dk, dv) in the packed layout, keys no query sees getting 0, and the
+    sink's gradient summed over the sequences (None without a sink)."""
     dq = torch.zeros(q.shape, dtype=problem.dtype, device=problem.device)
     dk = torch.zeros(k.shape, dtype=problem.dtype, device=problem.device)
     dv = torch.zeros(v.shape, dtype=problem.dtype, device=problem.device)
+    dsink = None if learnable_sink is None else torch.zeros_like(learnable_sink, dtype=problem.accumulation_dtype)
     for index, rows_q, rows_k, sequence in _sequences(problem, cu_seqlens_q, cu_seqlens_k):
         if sequence.seqlen_q == 0:
             continue
-        dq[:, rows_q], dk[:, rows_k], dv[:, rows_k] = attention_backward(
+        dq[:, rows_q], dk[:, rows_k], dv[:, rows_k], sequence_dsink = attention_backward(
             grad_out[:, rows_q], None if grad_lse is None else grad_lse[:, :, rows_q], q[:, rows_q], k[:, rows_k],
             v[:, rows_k], out[:, rows_q], lse[:, :, rows_q], sequence_slopes(alibi_slopes, index), None, sequence,
-            tiles)
-    return dq, dk, dv
+            tiles, None if learnable_sink is None else learnable_sink.to(problem.accumulation_dtype))
+        if dsink is not None:
+            dsink += sequence_dsink
+    return dq, dk, dv, None if dsink is None else dsink.to(learnable_sink.dtype)

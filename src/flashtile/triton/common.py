@@ -8,6 +8,8 @@ band is the same as `flashtile._geometry`: query row i may attend key j iff
     (not HAS_RIGHT or j <= i + diagonal_offset + window_right).
 Key blocks wholly outside the band are never visited; blocks wholly inside it skip the element
 mask; only blocks that straddle an edge (or the ragged end of the sequence) pay for it.
+A learnable sink (one natural-log logit per query head in every row's softmax denominator, flashtile._sink) is
+where the online softmax starts (initial_row_stats): running max = the sink in base 2, running sum = 1.
 """
 
 import triton
@@ -357,8 +359,27 @@ def online_softmax_step(acc, l_i, m_i, s, v, scale, MASKED: tl.constexpr, MASK_K
 
 
 @triton.jit
+def initial_row_stats(Sink, heads, BLOCK_M: tl.constexpr, HAS_SINK: tl.constexpr):
+    """(m, l) of BLOCK_M rows before their first key block: (-inf, 0), or with HAS_SINK the sink's own term of the
+    softmax, m = the sink of each row's head in base 2 (Sink[heads] * log2(e): a natural-log logit, not multiplied
+    by the softmax scale) and l = exp2(m - m) = 1. heads: the query head of every row (a scalar, or BLOCK_M heads,
+    each a valid index into Sink, which holds nheads logits, any float dtype). Every later step keeps the sink's
+    term in l (rescaled with it), so finish_rows' lse includes it and a row that sees no key ends with out = 0 and
+    lse = the sink."""
+    if HAS_SINK:
+        sink = tl.load(Sink + heads).to(tl.float32) * 1.4426950408889634
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
 def finish_rows(acc, l_i, m_i):
-    """Normalise once: (out, natural lse); rows that saw no key give out = 0 and lse = -inf."""
+    """Normalise once: (out, natural lse); rows that saw no key give out = 0 and lse = -inf (with a sink, l
+    counts the sink's term: out = 0 and lse = the sink)."""
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]

@@ -12,7 +12,10 @@ With one split it normalises and writes out and lse itself; otherwise it writes 
 partial output and log-sum-exp to a float32 workspace, and attention_decode_combine_kernel merges
 the splits with the log-sum-exp identity (weights exp(lse_s - lse), lse = log sum exp lse_s).
 The final lse is stored only when the caller asked for it (STORE_LSE): a decode step that does not
-return it then allocates nothing for it.
+return it then allocates nothing for it. A learnable sink (one natural-log logit per query head) enters once:
+an unsplit program starts its rows' online softmax from it (HAS_SINK, common.initial_row_stats); split programs
+attend their keys without it and the combine kernel adds it to the merge as one more term (lse_s = the sink,
+o_s = 0).
 
 A contiguous cache's row for sequence b is CacheBatchIdx[b] with HAS_BATCH_IDX (clamped into the cache), and with
 HAS_LEFTPAD its keys start at position CacheLeftpad[b] of that row: the program then works on the keys
@@ -28,12 +31,12 @@ bound by memory traffic, not by the mask).
 import triton
 import triton.language as tl
 
-from .common import finish_rows, online_softmax_step, program_coordinates, scores
+from .common import finish_rows, initial_row_stats, online_softmax_step, program_coordinates, scores
 
 
 @triton.jit
 def attention_decode_kernel(
-    Q, KCache, VCache, CacheSeqlens, BlockTable, CacheBatchIdx, CacheLeftpad, Slopes, Out, Lse, Part,
+    Q, KCache, VCache, CacheSeqlens, BlockTable, CacheBatchIdx, CacheLeftpad, Slopes, Sink, Out, Lse, Part,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -47,7 +50,9 @@ def attention_decode_kernel(
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    HAS_SINK: tl.constexpr = False,
 ):
+    tl.static_assert(not (HAS_SINK and SPLIT), "split programs leave the sink to the combine kernel")
     split, tile = program_coordinates(num_splits)
     row_block = tile % row_blocks
     pid_bhk = tile // row_blocks
@@ -88,8 +93,8 @@ def attention_decode_kernel(
         lo = tl.maximum(lo, ((diagonal_offset - window_left) // BLOCK_N) * BLOCK_N)
     if HAS_RIGHT:
         hi = tl.minimum(hi, seqlen_q + diagonal_offset + window_right)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # the tile's padding rows (g >= group_size) read head 0's sink and are never stored
+    m_i, l_i = initial_row_stats(Sink, tl.where(row_ok, h, 0), BLOCK_M, HAS_SINK)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -153,12 +158,14 @@ def attention_decode_kernel(
 
 @triton.jit
 def attention_decode_combine_kernel(
-    Part, Out, Lse,
+    Part, Out, Lse, Sink,
     stride_ob, stride_om, stride_oh,
     nheads, nheads_k, group_size, seqlen_q, num_splits, tile_rows, part_lse_start,
     HEADDIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_SINK: tl.constexpr = False,
 ):
-    """One program per (row of the tile, batch * K/V head), along grid axis 0: out = sum_s exp(lse_s - lse) o_s."""
+    """One program per (row of the tile, batch * K/V head), along grid axis 0: out = sum_s exp(lse_s - lse) o_s,
+    lse = log(sum_s exp(lse_s)), with HAS_SINK the row's head's sink as one more term of the sum (its o_s is 0)."""
     row, pid_bhk = program_coordinates(tile_rows)
     g = row // seqlen_q
     if g < group_size:
@@ -170,9 +177,14 @@ def attention_decode_combine_kernel(
         part = (pid_bhk * num_splits + splits).to(tl.int64) * tile_rows + row
         lses = tl.load(Part + part_lse_start + part, mask=split_ok, other=float("-inf"))
         top = tl.max(lses, 0)
-        top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights 0, out 0
+        if HAS_SINK:
+            sink = tl.load(Sink + h).to(tl.float32)  # natural log, as the lses
+            top = tl.maximum(top, sink)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key (and no sink): weights 0, out 0
         weights = tl.exp(lses - top)
         total = tl.sum(weights, 0)
+        if HAS_SINK:
+            total += tl.exp(sink - top)  # the sink's term of the denominator: it adds nothing to out
         offs_dv = tl.arange(0, BLOCK_DV)
         parts = tl.load(Part + part[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
         out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)

@@ -24,13 +24,16 @@ FlashAttention-4's moves (the fa4 schedule; 0 for every other, which compiles to
 RESCALE_THRESHOLD = t keeps a row's running max while a block raises it by at most t (base 2), so acc and l are
 not rescaled for that block; EXP2_POLY_EVERY = n computes one probability column in n by a cubic on the FMA units
 (common.online_softmax_step, docs/schedules.md).
+A learnable sink (HAS_SINK: Sink holds one natural-log logit per query head) is where each row's online softmax
+starts, running max = the sink in base 2 and running sum = 1 (common.initial_row_stats): the lse includes it and a
+row that sees no key gets out = 0 and lse = the sink.
 Limitations: no dropout; fp64 is left to the torch backend.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (alibi_slope, finish_rows, key_block_bounds, load_tile, online_softmax_step,
+from .common import (alibi_slope, finish_rows, initial_row_stats, key_block_bounds, load_tile, online_softmax_step,
                      program_coordinates, program_heads, scores, sequence_bounds)
 
 
@@ -62,7 +65,7 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
 
 
 @triton.jit
-def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk, slope,
+def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, Sink, q_start, k_start, b, h, hk, slope,
                          stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om, stride_oh,
                          stride_lse_b, stride_lse_h, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
                          seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, diagonal_offset,
@@ -71,7 +74,8 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk
                          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                          HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, EXP2_POLY_EVERY: tl.constexpr):
+                         SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, EXP2_POLY_EVERY: tl.constexpr,
+                         HAS_SINK: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head): Q, K, V, Out point at the entry's row 0."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -83,8 +87,7 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk
     v_base = V + hk * stride_vh
     mask_rows = Mask + b * stride_mask_b + h * stride_mask_h + offs_m[:, None].to(tl.int64) * stride_mask_m
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = initial_row_stats(Sink, h, BLOCK_M, HAS_SINK)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -116,7 +119,7 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, q_start, k_start, b, h, hk
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, Out, Lse, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, Slopes, Sink, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -129,7 +132,7 @@ def attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-    RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0,
+    RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0, HAS_SINK: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
     pid_m, pid_bh = program_coordinates(query_programs)
@@ -146,18 +149,18 @@ def attention_fwd_kernel(
         # the grid covers max_seqlen_q (a hint), at most configs.VARLEN_GRID_ROWS rows: a longer sequence's
         # extra blocks are taken in turn
         for m0 in range(pid_m * BLOCK_M, seqlen_q, query_programs * BLOCK_M):
-            _forward_query_block(m0, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, q_start, k_start, b, h, hk, slope,
+            _forward_query_block(m0, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, Sink, q_start, k_start, b, h, hk, slope,
                                  stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om,
                                  stride_oh, stride_lse_b, stride_lse_h, stride_mask_b, stride_mask_h, stride_mask_m,
                                  stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                 DOT_PRECISION, SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                 DOT_PRECISION, SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_SINK)
     else:
-        _forward_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, q_start, k_start, b, h, hk,
+        _forward_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, Sink, q_start, k_start, b, h, hk,
                              slope, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om,
                              stride_oh, stride_lse_b, stride_lse_h, stride_mask_b, stride_mask_h, stride_mask_m,
                              stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                              diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                             SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                             SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_SINK)

@@ -29,9 +29,10 @@ inside run without the element mask, and only those that straddle a band edge or
 Serves: fp16 / bf16 / fp32 inputs (fp32 accumulation; fp32 dots in IEEE fp32), head dims d and dv up to 256
 (dv != d allowed; each padded to a power of two >= 16 in the kernel and masked), GQA / MQA by index arithmetic
 (query head h reads K/V head h // (nheads // nheads_k)), seqlen_q != seqlen_k, causal, sliding windows,
-softmax_scale, any strides with a unit-stride head dim (others are copied). Not served: softcap, ALiBi, masks,
-dropout, packed variable-length batches. The backward needs nothing of its own: out and lse are those of the
-FA2 schedule, so the shared recompute backward (bwd.py) differentiates them.
+softmax_scale, any strides with a unit-stride head dim (others are copied), a learnable sink (the launcher starts
+each row's state in the workspace from it: m = the sink in base 2, l = 1, O = 0, so the kernel needs nothing of its
+own). Not served: softcap, ALiBi, masks, dropout, packed variable-length batches. The backward needs nothing of
+its own: out and lse are those of the FA2 schedule, so the shared recompute backward (bwd.py) differentiates them.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def attention_fwd_fa1_kernel(
     Q (batch, seqlen_q, nheads, HEADDIM), K (batch, seqlen_k, nheads_k, HEADDIM), V (batch, seqlen_k, nheads_k,
     HEADDIM_V), Out like Q with HEADDIM_V, Lse (batch, nheads, seqlen_q) float32, all with a unit-stride last dim.
     Workspace, float32, initialised by the launcher: OAcc (batch, nheads, seqlen_q, HEADDIM_V) zeros, RowMax
-    (batch, nheads, seqlen_q) -inf (base-2 row max), RowSum like RowMax zeros (strides stride_w* and stride_r*).
+    (batch, nheads, seqlen_q) -inf (base-2 row max), RowSum like RowMax zeros (strides stride_w* and stride_r*); with
+    a learnable sink RowMax holds each row's sink in base 2 and RowSum ones (a row that sees no key keeps them).
     score_scale = softmax_scale * log2(e); window_left / window_right are read only where HAS_LEFT / HAS_RIGHT.
     """
     tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
@@ -202,7 +204,8 @@ def attention_fwd_fa1_kernel(
         # barrier orders those stores before these loads and makes them visible across the CTA
         tl.debug_barrier()
 
-    # final pass: O is already normalised; rows that saw no key (l = 0) were never changed from O = 0
+    # final pass: O is already normalised; rows that saw no key (l = 0, or 1 with a sink) were never changed from
+    # O = 0
     for m0 in range(0, seqlen_q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seqlen_q
@@ -278,16 +281,21 @@ def forward_fa1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale
 
 
 def launch_fa1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionProblem, block_m: int, block_n: int,
-               num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+               num_warps: int, learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launcher behind forward_fa1 and the backend's fa1 schedule: q, k, v already validated into problem `p`
-    (dense batch, unit-stride head dims, no softcap / ALiBi / mask); returns out and lse as forward_fa1 does."""
+    (dense batch, unit-stride head dims, no softcap / ALiBi / mask); returns out and lse as forward_fa1 does.
+    learnable_sink (nheads,): each row's state starts from its head's sink (row max = sink * log2(e), row sum 1)."""
     out = torch.empty(p.batch, p.seqlen_q, p.nheads, p.headdim_v, dtype=p.dtype, device=p.device)
     lse = torch.empty(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=p.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     o_acc = torch.zeros(p.batch, p.nheads, p.seqlen_q, p.headdim_v, dtype=torch.float32, device=p.device)
-    row_max = torch.full((p.batch, p.nheads, p.seqlen_q), float("-inf"), dtype=torch.float32, device=p.device)
-    row_sum = torch.zeros(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=p.device)
+    if learnable_sink is None:
+        row_max = torch.full((p.batch, p.nheads, p.seqlen_q), float("-inf"), dtype=torch.float32, device=p.device)
+        row_sum = torch.zeros(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=p.device)
+    else:  # the sink's own term of each row's softmax: max = the sink (base 2), sum = exp2(0) = 1
+        row_max = (learnable_sink.detach().float() * LOG2E)[None, :, None].expand(p.batch, -1, p.seqlen_q).contiguous()
+        row_sum = torch.ones(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=p.device)
 
     block_d, block_dv = padded_width(p.headdim), padded_width(p.headdim_v)
     if p.headdim < block_d and block_dv < block_d:

@@ -48,15 +48,15 @@ on an H200; within -2.5% .. +1% at 1k and 4k; docs/schedules.md).
 Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or newer (or the
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
 multiples of 8 for 2-byte dtypes), a non-empty key tensor, no user mask (masks keep to fwd.py).
-Everything else (band, softcap, ALiBi, GQA, dv != d, both alignments, FlashAttention-4's RESCALE_THRESHOLD and
-EXP2_POLY_EVERY of the fa4 schedule) is as in fwd.py; the kernel writes the same out and lse.
+Everything else (band, softcap, ALiBi, GQA, dv != d, both alignments, a learnable sink (HAS_SINK), FlashAttention-4's
+RESCALE_THRESHOLD and EXP2_POLY_EVERY of the fa4 schedule) is as in fwd.py; the kernel writes the same out and lse.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (alibi_slope, band_mask, descriptor_origin, finish_rows, key_block_bounds, online_softmax_step,
-                     program_coordinates, program_heads, scores, sequence_bounds)
+from .common import (alibi_slope, band_mask, descriptor_origin, finish_rows, initial_row_stats, key_block_bounds,
+                     online_softmax_step, program_coordinates, program_heads, scores, sequence_bounds)
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_
 
 
 @triton.jit
-def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, q_start, k_start, slope,
+def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, Sink, b, h, hk, q_start, k_start, slope,
                              stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                              seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, diagonal_offset,
                              window_left, window_right,
@@ -102,7 +102,7 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
                              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                              MASK_ALL: tl.constexpr, VARLEN: tl.constexpr, SEPARATE_RAGGED_END: tl.constexpr,
                              SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
-                             EXP2_POLY_EVERY: tl.constexpr):
+                             EXP2_POLY_EVERY: tl.constexpr, HAS_SINK: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head); Out points at the entry's row 0, the descriptors'
     rows of this entry start at q_start / k_start (common.descriptor_origin)."""
     b32, q_row0 = descriptor_origin(b, q_start, VARLEN)
@@ -124,8 +124,7 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
     else:
         q = q_desc.load([b32, h32, q_row0 + m0_desc, 0]).reshape(BLOCK_M, BLOCK_D)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = initial_row_stats(Sink, h, BLOCK_M, HAS_SINK)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -177,7 +176,7 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, b, h, hk, 
 
 @triton.jit
 def attention_fwd_tma_kernel(
-    Q, q_desc, k_desc, v_desc, Out, Lse, Slopes, CuSeqlensQ, CuSeqlensK,
+    Q, q_desc, k_desc, v_desc, Out, Lse, Slopes, Sink, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
@@ -189,7 +188,7 @@ def attention_fwd_tma_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr, VARLEN: tl.constexpr,
     SEPARATE_RAGGED_END: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-    RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0,
+    RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0, HAS_SINK: tl.constexpr = False,
 ):
     tl.static_assert(not (VARLEN and WARP_SPECIALIZE), "packed sequences take the forward without warp specialization")
     pid_m, pid_bh = program_coordinates(query_programs)
@@ -208,18 +207,18 @@ def attention_fwd_tma_kernel(
         # the grid covers max_seqlen_q (a hint), at most configs.VARLEN_GRID_ROWS rows: a longer sequence's
         # extra blocks are taken in turn
         for m0 in range(pid_m * BLOCK_M, seqlen_q, query_programs * BLOCK_M):
-            _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, o_ptr, Lse, b, h, hk, q_start, k_start, slope,
-                                     stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
+            _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, o_ptr, Lse, Sink, b, h, hk, q_start, k_start,
+                                     slope, stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
                                      stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                      diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                                      BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                      DOT_PRECISION, False, MASK_ALL, True, SEPARATE_RAGGED_END,
-                                     SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                     SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_SINK)
     else:
-        _forward_query_block_tma(pid_m * BLOCK_M, Q, q_desc, k_desc, v_desc, o_ptr, Lse, b, h, hk, q_start, k_start,
-                                 slope, stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
+        _forward_query_block_tma(pid_m * BLOCK_M, Q, q_desc, k_desc, v_desc, o_ptr, Lse, Sink, b, h, hk, q_start,
+                                 k_start, slope, stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
                                  stride_lse_h, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
                                  WARP_SPECIALIZE, MASK_ALL, False, SEPARATE_RAGGED_END,
-                                 SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                 SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_SINK)

@@ -3,7 +3,10 @@
 Layout contract (shared with the torch backend): q (batch, seqlen_q, nheads, headdim), k and v
 (batch, seqlen_k, nheads_k, headdim[_v]) with unit-stride last dims and any other strides;
 out (batch, seqlen_q, nheads, headdim_v) and gradients are returned contiguous in the inputs'
-dtype; lse (batch, nheads, seqlen_q) is contiguous float32, natural log.
+dtype; lse (batch, nheads, seqlen_q) is contiguous float32, natural log. A learnable sink (nheads,) reaches the
+forward kernels as a contiguous array (HAS_SINK), the decode kernels likewise (split launches: only the combine
+kernel takes it), and its gradient comes from the backward's delta and lse (flashtile._sink); the Gluon kernels do
+not take it (configs.gluon_unserved_reason, gluon_backward_unserved_reason).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._geometry import visible_key_range
+from .._sink import sink_gradient
 from .._validate import AttentionProblem
 from .common import LOG2E
 from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
@@ -70,6 +74,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
+
+
+def _sink_arg(q: torch.Tensor, learnable_sink) -> torch.Tensor:
+    """The learnable sink as the kernels read it, a contiguous (nheads,) array of its own dtype (they convert to
+    float32); q when there is none (never read)."""
+    if learnable_sink is None:
+        return q
+    return learnable_sink.detach().contiguous()
 
 
 def _slopes_arg(q: torch.Tensor, alibi_slopes) -> tuple[torch.Tensor, int]:
@@ -236,17 +248,17 @@ def _register_cap(registers: int) -> dict:
 
 
 def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TritonTiles,
-            cu_seqlens_q=None, cu_seqlens_k=None):
+            cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None):
     """Fused forward: returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32.
 
     With cu_seqlens_q / cu_seqlens_k (int32, (nseq + 1,)), q, k, v are packed sequences of shape
     (1, total, heads, dim), problem.batch is nseq and problem.seqlen_* are the max_seqlen hints;
-    out is then (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q).
+    out is then (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q). learnable_sink: (nheads,) or None.
     """
     p = problem
     if tiles.forced_schedule == configs.SCHEDULE_CODES["fa1"]:
         # the dispatcher forced it only for calls it serves (_schedules.unserved_reason)
-        return launch_fa1(q, k, v, p, tiles.block_m, tiles.block_n, tiles.num_warps)
+        return launch_fa1(q, k, v, p, tiles.block_m, tiles.block_n, tiles.num_warps, learnable_sink)
     if tiles.forward_schedule == 3:
         reason = gluon_unserved(q, k, v, p, tiles.gluon_tile)
         if not reason:
@@ -260,6 +272,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     flags = _forward_widths(flags)
+    sink = _sink_arg(q, learnable_sink)
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m))
     grid = _grid(query_programs * p.batch * p.nheads)
     # packed batches take TMA loads under schedule 1 only (the warp-specialized loop keeps to dense batches)
@@ -276,21 +289,23 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         launch(
             attention_fwd_tma_kernel, grid,
             (q, _heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
-             _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, cu_q, cu_k),
+             _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, sink, cu_q, cu_k),
             (*_row_strides(q, 1), *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
              slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen,
             SEPARATE_RAGGED_END=bool(tiles.forward_separate_ragged_end), RESCALE_THRESHOLD=tiles.rescale_threshold,
-            EXP2_POLY_EVERY=tiles.exp2_poly_every, **_register_cap(tiles.forward_max_registers), **flags)
+            EXP2_POLY_EVERY=tiles.exp2_poly_every, HAS_SINK=p.has_sink, **_register_cap(tiles.forward_max_registers),
+            **flags)
         return out, lse
     launch(
-        attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, mask, cu_q, cu_k),
+        attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, sink, mask, cu_q, cu_k),
         (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k), *_row_strides(out, batch_q),
          lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
          p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        VARLEN=varlen, RESCALE_THRESHOLD=tiles.rescale_threshold, EXP2_POLY_EVERY=tiles.exp2_poly_every, **flags)
+        VARLEN=varlen, RESCALE_THRESHOLD=tiles.rescale_threshold, EXP2_POLY_EVERY=tiles.exp2_poly_every,
+        HAS_SINK=p.has_sink, **flags)
     return out, lse
 
 
@@ -420,16 +435,30 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem: AttentionProblem,
-             tiles: TritonTiles, cu_seqlens_q=None, cu_seqlens_k=None):
+             tiles: TritonTiles, cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None):
     """Recompute backward: returns dq, dk, dv contiguous in the flash layout and the inputs' dtype
-    (for packed sequences, in the packed layout (1, total, heads, dim); see forward)."""
+    (for packed sequences, in the packed layout (1, total, heads, dim); see forward), and the gradient of
+    learnable_sink (None without one), reduced by torch from the kernels' delta and the forward's lse."""
+    dq, dk, dv, delta = _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
+                                          tiles, cu_seqlens_q, cu_seqlens_k)
+    if learnable_sink is None:
+        return dq, dk, dv, None
+    if delta is None:  # no query row: nothing reaches the sink
+        return dq, dk, dv, torch.zeros_like(learnable_sink)
+    return dq, dk, dv, sink_gradient(learnable_sink, lse, delta)
+
+
+def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem: AttentionProblem,
+                      tiles: TritonTiles, cu_seqlens_q=None, cu_seqlens_k=None):
+    """backward's launches: dq, dk, dv and delta = rowsum(dO * O) - dlse (lse's layout, float32; None where no
+    kernel ran because there is no query row)."""
     p = problem
     cu_q, cu_k, varlen, batch_q, batch_k = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if p.batch * p.nheads == 0 or q.shape[1] == 0:  # no query sees any key: no gradient flows to k and v
-        return dq, dk.zero_(), dv.zero_()
+        return dq, dk.zero_(), dv.zero_(), None
     # no zero fill for packed batches either: every key row lies in some sequence (cu_seqlens_k ends at total_k,
     # checked on the CPU, the caller's guarantee on a GPU) and the dK/dV programs store every key block of their
     # sequence, zeros where no query sees it (a sequence without queries too); the fill of dk and dv took 0.34
@@ -482,7 +511,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
             (*inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
              p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
-        return dq, dk, dv
+        return dq, dk, dv, delta
     # two launches: the dQ kernel first, which also computes each query row's delta (its programs hold the rows'
     # dO already) and stores it for the dK/dV kernel; its tile is by default the dK/dV tile transposed
     # (bwd_block_n query rows against bwd_block_m keys)
@@ -502,7 +531,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
             (*inputs, *dk_strides, *dv_strides, *stats, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k,
              key_programs, *scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
-    return dq, dk, dv
+    return dq, dk, dv, delta
 
 
 def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem, overlap: bool = False) -> str:
@@ -712,6 +741,8 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
              PAGE_CHUNK=page_chunk(shape.block_n, call.page_size),
              SPLIT=shape.splits > 1, STORE_LSE=store_lse, HAS_BATCH_IDX=call.cache_batch_idx is not None,
              HAS_LEFTPAD=call.cache_leftpad is not None,
+             # the sink enters once: here when the keys are not split, else in the combine kernel's merge
+             HAS_SINK=p.has_sink and shape.splits == 1,
              num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
     combine = None
     if shape.splits > 1:
@@ -719,7 +750,7 @@ def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precisi
             attention_decode_combine_kernel,
             (*out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, shape.splits, tile_rows, part_lse_start),
             dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(shape.splits),
-                 STORE_LSE=store_lse))
+                 STORE_LSE=store_lse, HAS_SINK=p.has_sink))
     # one-axis grids (common.program_coordinates), kept as three ints for the relaunch
     return _DecodePlan((*_grid(shape.splits * shape.row_blocks * batch * p.nheads_k), 1, 1), kernel,
                        (*_grid(tile_rows * batch * p.nheads_k), 1, 1), combine, out_shape,
@@ -747,6 +778,7 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     precision = _dot_precision(q.dtype)
     key = (call.layout, num_splits, geometry, precision)
     slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
+    sink = _sink_arg(q, call.learnable_sink)
     table = call.block_table if call.block_table is not None else call.cache_seqlens  # never read if contiguous
     plan = _DECODE_PLANS.get(key)
     if plan is None:
@@ -764,7 +796,7 @@ def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
     batch_idx = call.cache_seqlens if call.cache_batch_idx is None else call.cache_batch_idx
     leftpad = call.cache_seqlens if call.cache_leftpad is None else call.cache_leftpad
     launch_fixed(plan.kernel, plan.grid, (q, call.k_cache, call.v_cache, call.cache_seqlens, table, batch_idx, leftpad,
-                                          slopes, out, lse_arg, part))
+                                          slopes, sink, out, lse_arg, part))
     if plan.combine is not None:
-        launch_fixed(plan.combine, plan.combine_grid, (part, out, lse_arg))
+        launch_fixed(plan.combine, plan.combine_grid, (part, out, lse_arg, sink))
     return out, lse
