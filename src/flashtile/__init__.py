@@ -12,9 +12,10 @@ Public API:
     use_backend                    context manager choosing the backend ("auto", "torch", "triton") and schedule
     schedules                      the Triton backend's schedules (fa1, fa2, fa3, fa4, decode) and where each runs
     reference                      the float64 oracle (dense; for checking only)
+    nn                             torch.nn modules: MultiheadAttention (drop-in for torch's), Attention
 """
 
-from . import reference
+from . import nn, reference
 from ._dispatch import use_backend
 from ._schedules import Schedule, schedules
 from .errors import BackendUnavailableError, KernelCompileError
@@ -37,6 +38,7 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "nn",
     "reference",
     "Schedule",
     "scaled_dot_product_attention",
