@@ -12,6 +12,9 @@ Public API:
     use_backend                    context manager choosing the backend ("auto", "torch", "triton") and schedule
     schedules                      the Triton backend's schedules (fa1, fa2, fa3, fa4, decode) and where each runs
     reference                      the float64 oracle (dense; for checking only)
+
+Integrations (imported on their own):
+    flashtile.integrations.transformers   attn_implementation="flashtile" in Hugging Face transformers
 """
 
 from . import reference

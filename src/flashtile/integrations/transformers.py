@@ -3,35 +3,28 @@
     import flashtile.integrations.transformers  # registers the name
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flashtile")
 
-Importing this module registers "flashtile" with transformers; after that the name works wherever transformers
-takes an attention implementation: `from_pretrained`, `from_config`, `set_attn_implementation`.
+Importing this module registers "flashtile" with transformers (>=5.4,<6); after that the name works wherever
+transformers takes an attention implementation: `from_pretrained`, `from_config`, `set_attn_implementation`.
+docs/transformers.md describes what is served, what raises and how torch.compile behaves.
 
 How the name resolves. transformers treats every implementation whose name contains "flash" as a flash-attention
-kernel with flash-attn's API, and flashtile is one, so it takes transformers' own flash-attention path
-(`integrations.flash_attention.flash_attention_forward`, the one `flash_attention_2` uses):
-- the attention function (`attention_forward` below) is registered in `AttentionInterface`: it refuses what
-  flashtile cannot serve, naming it, and hands the rest to transformers' flash-attention forward;
+kernel with flash-attn's API; flashtile is one, so it runs on transformers' flash-attention path, the one
+`flash_attention_2` takes (`modeling_flash_attention_utils._flash_attention_forward`):
+- `attention_forward` is registered in `AttentionInterface`: it refuses what flashtile cannot serve, naming it, and
+  hands the rest to that path;
 - the mask function is flash_attention_2's (`AttentionMaskInterface`): the padding mask arrives as a 2-D
-  (batch, seqlen_k) bool tensor, or None when nothing is padded, never as a dense 4-D mask;
+  (batch, seqlen_k) bool tensor, or None when nothing is padded, never as a dense 4-D mask; the path unpads a
+  padded batch into packed sequences for `flash_attn_varlen_func` and pads the output back;
 - transformers' flash-attention loader (`modeling_flash_attention_utils._lazy_imports`) learns the name: for
   "flashtile" it returns flashtile's `flash_attn_func`, `flash_attn_varlen_func` and `flash_attn_with_kvcache`
-  (adapted for attention sinks, see `_with_sinks`) and the padding helpers `pad_input` / `unpad_input` below;
-  every other name goes to transformers' loader as before;
-- the model-level check that transformers runs for `flash_attention_2` (the model class declares
-  `_supports_flash_attn`) runs for "flashtile" too, in `PreTrainedModel.get_correct_attn_implementation`.
-The last two hook private parts of transformers, so this module checks the transformers version
-(`SUPPORTED_TRANSFORMERS`) and the hooked functions' signatures at import and raises ImportError otherwise.
-
-What the flash-attention path does with flashtile: a padded batch is unpadded (`unpad_input`) into packed
-sequences for `flash_attn_varlen_func` and the output padded back with zeros in the padded rows (left and right
-padding alike); packed batches without padding (`position_ids` restarting at 0 in a batch of one, or
-`cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` / `max_length_k` from `DataCollatorWithFlattening`) go to
-`flash_attn_varlen_func` as they are; a batch without padding goes to `flash_attn_func`. Causal masks are
-bottom-right aligned, so decoding against the KV cache (seqlen_q < seqlen_k) needs no offsets. The model's
-`scaling`, `sliding_window` (as `window_size=(sliding_window - 1, sliding_window - 1)`, the right side cut to 0
-by causal), `softcap`, grouped-query heads (nheads_k < nheads, no copies) and attention dropout (`dropout_p`)
-are passed on; so are attention sinks (`s_aux`, as flashtile's `learnable_sink`). Whatever flashtile rejects
-raises flashtile's own error (dropout_p > 0 raises NotImplementedError while flashtile has no dropout).
+  (through `_with_sinks`) and `pad_input` / `unpad_input` below; every other name goes to transformers' loader;
+- the model-level checks transformers runs for its flash names run for "flashtile" too: the model class must
+  declare `_supports_flash_attn` (`PreTrainedModel.get_correct_attn_implementation`), and a model that lists the
+  flash kernels it works with (`_compatible_flash_implementations`, the attention-sink models) gets flashtile only
+  when flashtile takes sinks (`PreTrainedModel._check_and_adjust_attn_implementation`); transformers would
+  otherwise swap in the first kernel of that list.
+The hooks (`_HOOKS`) extend private parts of transformers, so this module checks the transformers version
+(`SUPPORTED_TRANSFORMERS`) and their signatures at import and raises ImportError when either differs.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ from .. import interface
 try:
     import transformers
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("flashtile.integrations.transformers needs transformers: pip install 'transformers>=5.0,<6' "
+    raise ImportError("flashtile.integrations.transformers needs transformers: pip install 'transformers>=5.4,<6' "
                       "(or flashtile's [transformers] extra)") from error
 
 from packaging.version import Version
@@ -57,7 +50,7 @@ from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 NAME = "flashtile"
 # the releases this module was tested with; the hooks below read private parts of transformers that can change
-SUPPORTED_TRANSFORMERS = (Version("5.0.0"), Version("6"))
+SUPPORTED_TRANSFORMERS = (Version("5.4"), Version("6"))
 # flashtile's keyword for attention sinks (one learnable logit per head that takes softmax mass but no value);
 # transformers passes them as `s_aux`
 SINK_KEYWORD = "learnable_sink"
@@ -217,12 +210,12 @@ def _check_transformers() -> None:
     if not low <= version < high:
         raise ImportError(f"flashtile.integrations.transformers supports transformers >={low},<{high}; found "
                           f"{transformers.__version__}")
-    for owner, name, leading, _ in _HOOKS:
+    for owner, name, needed in [(owner, name, needed) for owner, name, needed, _ in _HOOKS] + _CALLED:
         function = getattr(owner, name, None)
-        if function is None or tuple(inspect.signature(function).parameters)[:len(leading)] != leading:
-            raise ImportError(f"transformers {transformers.__version__} has no {owner.__name__}.{name}{leading} that "
-                              f"flashtile.integrations.transformers can extend; it was tested with transformers "
-                              f">={low},<{high}")
+        if function is None or not set(needed) <= set(inspect.signature(function).parameters):
+            raise ImportError(f"transformers {transformers.__version__} has no {owner.__name__}.{name} taking "
+                              f"{', '.join(needed)}, which flashtile.integrations.transformers needs; it was tested "
+                              f"with transformers >={low},<{high}")
 
 
 def _lazy_imports(load):
@@ -252,8 +245,8 @@ def _get_correct_attn_implementation(check):
     return hooked
 
 
-# (owner, attribute, its leading parameters, the wrapper): the private parts of transformers extended for "flashtile";
-# each wrapper handles the name "flashtile" and hands every other name to transformers unchanged
+# (owner, attribute, parameters it must take, the wrapper): the private parts of transformers extended for
+# "flashtile"; each wrapper handles the name "flashtile" and hands every other name to transformers unchanged
 _HOOKS = (
     (modeling_flash_attention_utils, "_lazy_imports", ("implementation",), _lazy_imports),
     (PreTrainedModel, "_check_and_adjust_attn_implementation", ("self", "attn_implementation"),
@@ -261,6 +254,12 @@ _HOOKS = (
     (PreTrainedModel, "get_correct_attn_implementation", ("self", "requested_attention"),
      _get_correct_attn_implementation),
 )
+# private functions of transformers that attention_forward calls, with the parameters it passes by name
+_CALLED = [
+    (modeling_flash_attention_utils, "_flash_attention_forward",
+     ("query_length", "is_causal", "dropout", "softmax_scale", "sliding_window", "softcap", "use_top_left_mask",
+      "target_dtype", "attn_implementation")),
+]
 
 
 def _install() -> None:
