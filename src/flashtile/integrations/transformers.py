@@ -91,20 +91,22 @@ def _takes_sinks(function) -> bool:
 
 
 def _with_sinks(name: str):
-    """flashtile's function `name` (looked up at each call), taking transformers' `s_aux` (attention sinks) and
-    passing it on as flashtile's `learnable_sink`, and `max_seqlen_q` / `max_seqlen_k` as 0-d tensors.
+    """flashtile's function `name`, taking transformers' `s_aux` (attention sinks) and passing it on as flashtile's
+    `learnable_sink`, and taking `max_seqlen_q` / `max_seqlen_k` as 0-d tensors too.
 
     transformers decides which keywords to pass from the loaded function's signature and drops the others, so the
     adapter's signature is the function's plus `s_aux`: sinks always reach flashtile, which serves them or raises.
     While flashtile's function has no `learnable_sink` argument the adapter raises NotImplementedError itself.
+    The function is looked up in flashtile.interface at each call: transformers keeps the adapter for the process's
+    lifetime, and a replaced function (a test's stand-in) must still be the one called.
     """
     function = getattr(interface, name)
 
     @functools.wraps(function)
     def adapter(*args, s_aux=None, **kwargs):
-        function = getattr(interface, name)
+        current = getattr(interface, name)
         if s_aux is not None:
-            if not _takes_sinks(function):
+            if not _takes_sinks(current):
                 raise NotImplementedError(
                     f"the model passes attention sinks (s_aux, shape {tuple(s_aux.shape)}), but flashtile.{name} "
                     f"takes no {SINK_KEYWORD} argument in this flashtile version; use attn_implementation='eager'")
@@ -114,7 +116,7 @@ def _with_sinks(name: str):
             # host); flashtile takes ints
             if isinstance(kwargs.get(hint), torch.Tensor):
                 kwargs[hint] = int(kwargs[hint])
-        return function(*args, **kwargs)
+        return current(*args, **kwargs)
 
     signature = inspect.signature(function)
     parameters = list(signature.parameters.values())
