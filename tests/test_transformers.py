@@ -11,7 +11,6 @@ The eager side of each comparison does not depend on flashtile's backend and is 
 from __future__ import annotations
 
 import importlib
-import inspect
 
 import pytest
 import torch
@@ -288,32 +287,11 @@ def test_attention_dropout_reaches_flashtile():
             model(ids, attention_mask=mask, labels=ids)
 
 
-def _with_learnable_sink(function):
-    """A stand-in for a flashtile function that takes learnable_sink: one logit per head that joins the softmax and
-    carries no value, computed exactly from the function's lse (out x sigmoid(lse - sink))."""
-    def with_sink(*args, learnable_sink=None, **kwargs):
-        out, lse = function(*args, return_lse=True, **kwargs)
-        if learnable_sink is None:
-            return out
-        keep = torch.sigmoid(lse - learnable_sink.to(lse.dtype)[:, None])  # lse (..., nheads, seqlen_q)
-        return out * keep.transpose(-1, -2).unsqueeze(-1).to(out.dtype)
-
-    signature = inspect.signature(function)
-    sink = inspect.Parameter("learnable_sink", inspect.Parameter.KEYWORD_ONLY, default=None)
-    with_sink.__signature__ = signature.replace(parameters=[*signature.parameters.values(), sink])
-    return with_sink
-
-
-def test_attention_sinks_pass_through_as_learnable_sink(monkeypatch, backend):
-    """gpt-oss's sinks (s_aux) reach flashtile as learnable_sink; without it, loading raises naming it."""
+def test_attention_sinks_pass_through_as_learnable_sink(backend):
+    """gpt-oss's sinks (s_aux) reach flashtile as learnable_sink."""
     config = GptOssConfig(**{**TINY, "intermediate_size": 64}, head_dim=16, num_local_experts=4,
                           num_experts_per_tok=2, sliding_window=WINDOW)
-    native = ft_transformers._takes_sinks(flashtile.flash_attn_func)
-    if not native:
-        with pytest.raises(NotImplementedError, match="learnable_sink"):
-            AutoModelForCausalLM.from_config(config, attn_implementation="flashtile")
-        for name in ("flash_attn_func", "flash_attn_varlen_func"):
-            monkeypatch.setattr(flashtile.interface, name, _with_learnable_sink(getattr(flashtile.interface, name)))
+    assert ft_transformers._takes_sinks(flashtile.flash_attn_func)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
