@@ -35,11 +35,11 @@ def schedules_run(tmp_path_factory):
 def test_every_schedule_has_a_row_on_the_same_inputs(schedules_run):
     process, document, png_path = schedules_run
     rows = {row["provider"]: row for row in document["rows"]}
-    assert list(rows) == ["schedule:fa1", "schedule:fa2", "schedule:fa3", "schedule:fa4"]
+    assert list(rows) == ["schedule:fa1", "schedule:fa2", "schedule:fa3", "schedule:fa4", "schedule:decode"]
     assert {(r["headdim"], r["seqlen_q"], r["batch"], r["heads"], r["mode"]) for r in rows.values()} == {
         (16, 32, 1, 2, "fwd")}
     assert rows["schedule:fa3"]["status"] == "skipped" and "interpreter" in rows["schedule:fa3"]["reason"]
-    for name in ("fa1", "fa2", "fa4"):
+    for name in ("fa1", "fa2", "fa4", "decode"):
         row = rows[f"schedule:{name}"]
         assert row["status"] == "ok", row
         assert row["tflops"] > 0 and 0 < row["matmul_fraction"] and row["kernels"], row
@@ -47,7 +47,7 @@ def test_every_schedule_has_a_row_on_the_same_inputs(schedules_run):
     # the IO model: fa1's forward also moves O, m and l per key block; fa2 and fa4 the compulsory bytes
     assert rows["schedule:fa1"]["io_bytes"] > rows["schedule:fa2"]["io_bytes"] == rows["schedule:fa4"]["io_bytes"]
     table = process.stdout
-    assert "max err" in table and "model MB" in table and "4 rows: 3 ok, 1 skipped, 0 failed" in table, table
+    assert "max err" in table and "model MB" in table and "5 rows: 4 ok, 1 skipped, 0 failed" in table, table
     assert png_path.read_bytes().startswith(PNG_MAGIC)
 
 
@@ -77,7 +77,8 @@ def test_schedules_refuses_what_it_cannot_do(argv, message, capsys):
 
 
 def test_schedule_providers_are_named_and_not_in_the_default_grid():
-    assert [p.name for p in prov.select_providers(["schedules"])] == [f"schedule:fa{i}" for i in (1, 2, 3, 4)]
+    assert [p.name for p in prov.select_providers(["schedules"])] == [f"schedule:fa{i}" for i in (1, 2, 3, 4)] + [
+        "schedule:decode"]
     assert not any(p.name.startswith("schedule:") for p in prov.select_providers(None))
     config = runner.make_config(device="cpu", providers="schedule:fa4")
     assert [p.name for p in config.providers] == ["schedule:fa4"]

@@ -238,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip (with the reason in its row) a provider whose single call takes longer than S seconds "
                         "(default 2; 0 = no limit)")
     b.add_argument("--schedules", action="store_true",
-                   help="run every schedule of flashtile's registry that runs on the device (fa1, fa2, fa3, fa4) on "
-                        "the same inputs instead of the peers: TFLOP/s, fraction of the measured matmul ceiling, the "
+                   help="run every schedule of flashtile's registry that runs on the device (fa1, fa2, fa3, fa4, "
+                        "decode) on the same inputs instead of the peers: TFLOP/s, fraction of the measured matmul ceiling, the "
                         "IO model's HBM bytes, kernels, max abs error vs float64; on the CPU only under "
                         "TRITON_INTERPRET=1, at tiny shapes")
     b.add_argument("--json", default=None, metavar="PATH", help="write the header and every row to PATH")

@@ -20,7 +20,7 @@ with a Triton forward schedule or a backward schedule forced (two or one launch,
 torch SDPA with each backend
 forced ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math"), FlexAttention under torch.compile ("flex", CUDA only), naive materialised attention
 ("naive"), the optional packages flash-attn 2 ("flash_attn") and FlashAttention 4's CuTe-DSL
-interface ("flash_attn.cute"), and the schedules of flashtile's registry ("schedule:fa1" ... "schedule:fa4", only when
+interface ("flash_attn.cute"), and the schedules of flashtile's registry ("schedule:fa1" ... "schedule:decode", only when
 named or with `flashtile bench --schedules`).
 """
 
@@ -150,17 +150,19 @@ def _probe_call(problem: Problem):
 
 
 class ScheduleProvider(Provider):
-    """One schedule of flashtile's registry (flashtile.schedules(): fa1, fa2, fa3, fa4) forced through
+    """One schedule of flashtile's registry (flashtile.schedules(): fa1, fa2, fa3, fa4, decode) forced through
     use_backend("triton", schedule=name): `flashtile bench --schedules` runs them all on the same inputs. The decode
-    schedule serves KV-cache calls only and is not among them (`flashtile bench --mode decode` measures it)."""
+    schedule serves KV-cache calls: its rows attend the same q, k and v through flash_attn_with_kvcache with k and v
+    as a full cache (forward only; `flashtile bench --mode decode` measures it at decoding shapes)."""
 
-    NAMES = ("fa1", "fa2", "fa3", "fa4")
+    NAMES = ("fa1", "fa2", "fa3", "fa4", "decode")
     # the forward kernel each schedule's rows must show (fa2 and fa4 share the Triton kernels' names: fa4 is those
     # kernels compiled with its constexprs)
     FORWARD_KERNELS = {"fa1": ("attention_fwd_fa1_kernel",),
                        "fa2": ("attention_fwd_kernel", "attention_fwd_tma_kernel"),
                        "fa3": ("attention_fwd_gluon_kernel",),
-                       "fa4": ("attention_fwd_kernel", "attention_fwd_tma_kernel")}
+                       "fa4": ("attention_fwd_kernel", "attention_fwd_tma_kernel"),
+                       "decode": ("attention_decode_kernel", "attention_decode_combine_kernel")}
     # keys per FA1 block for the IO model: the FA1 kernel's default on a GPU (fwd_fa1.default_fa1_blocks)
     FA1_MODEL_BLOCK_N = 64
 
@@ -173,6 +175,11 @@ class ScheduleProvider(Provider):
         self.in_default_grid = False
 
     def unavailable_reason(self, problem: Problem) -> str | None:
+        if self.schedule == "decode":
+            if problem.mode != "fwd":
+                return "the decode schedule serves flash_attn_with_kvcache, which has no backward"
+            (record,) = [s for s in flashtile.schedules(problem.device, problem.dtype) if s.name == "decode"]
+            return None if record.available else record.reason
         try:
             with flashtile.use_backend("triton", schedule=self.schedule):
                 _dispatch.plan(_probe_call(problem).problem)
@@ -186,6 +193,10 @@ class ScheduleProvider(Provider):
 
         def forward(q, k, v):
             with flashtile.use_backend("triton", schedule=schedule):
+                if schedule == "decode":
+                    # k and v as a full cache (no cache_seqlens, nothing appended): the same function, causal
+                    # bottom-right as flash_attn_func
+                    return flashtile.flash_attn_with_kvcache(q, k, v, causal=causal)
                 return flashtile.flash_attn_func(q, k, v, causal=causal)
 
         return forward
@@ -439,9 +450,9 @@ FAMILIES = {"flashtile": "flashtile[", "sdpa": "sdpa-", "schedules": "schedule:"
 
 def select_providers(names: list[str] | None) -> list[Provider]:
     """The providers named (each a provider name, or a family: "flashtile" = every flashtile backend and
-    forced schedule, "sdpa" = every SDPA backend, "schedules" = the registry's schedule:fa1 ... schedule:fa4), in
+    forced schedule, "sdpa" = every SDPA backend, "schedules" = the registry's schedule:fa1 ... schedule:decode), in
     `all_providers` order; None selects all but the forced schedules (flashtile[triton:tma], [triton:tma-ws],
-    [triton:bwd0] ... [triton:bwd3], schedule:fa1 ... schedule:fa4: name them to compare).
+    [triton:bwd0] ... [triton:bwd3], schedule:fa1 ... schedule:decode: name them to compare).
 
     Raises ValueError naming --providers and listing the known names for an unknown name.
     """

@@ -24,7 +24,7 @@ the HBM bytes that model counts for the row (the provider's `io_cost`; measured 
 profiler, which the bench does not run).
 
 `make_config(schedules=True)` (`flashtile bench --schedules`) runs the schedules of flashtile's registry
-(schedule:fa1 ... schedule:fa4) instead of the peers, every one on the same inputs.
+(schedule:fa1 ... schedule:decode) instead of the peers, every one on the same inputs.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def make_config(*, device: str | None = None, dtype: str | None = None, headdim:
     if schedules:
         if providers is not None:
             raise ValueError("--schedules runs the registry's schedules; it cannot be combined with --providers "
-                             "(name schedule:fa1 ... schedule:fa4 in --providers instead)")
+                             "(name schedule:fa1 ... schedule:decode in --providers instead)")
         if device == "cpu":
             from flashtile.triton.configs import interpreting
 
