@@ -226,6 +226,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                            learnable_sink=learnable_sink)
     name, tiles = _dispatch.resolve(call.problem, call.layout.resolutions)  # raises before the cache is touched
     backend = _dispatch.BACKENDS[name]
+    kvcache.apply_rotary(call)  # new copies of q and k; the caller's are untouched
     kvcache.append_to_cache(call)
     out, lse = backend.decode(call, backend.tiles_from_list(tiles), call.num_splits)
     return (out, lse) if return_softmax_lse else out
