@@ -252,3 +252,14 @@ def test_a_shorter_table_is_enough_when_it_reaches_every_position_used(backend):
         assert bool(out.isfinite().all())
         short = dict(args, rotary_cos=args["rotary_cos"][:20], rotary_sin=args["rotary_sin"][:20])
         assert bool(flashtile.flash_attn_with_kvcache(**short, check_values=False).isfinite().all())
+
+
+def test_explain_describes_the_rotation():
+    args = _rotary_call(causal=lambda a: True)
+    q, k_cache, v_cache = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
+    text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", **args))
+    assert ("rotary: the first 8 of 16 dims of q and the new k, interleaved pairs (2j, 2j + 1), q's row i at "
+            "cache_seqlens + i") in text, text
+    args.update(causal=False, rotary_interleaved=False)
+    text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", **args))
+    assert "halves (j, j + rotary_dim / 2), q's row i at cache_seqlens;" in text, text
