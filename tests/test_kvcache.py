@@ -626,9 +626,6 @@ BAD_INDICES = {
     "with a paged cache": (dict(block_table=lambda a: torch.zeros(BATCH, 4, dtype=torch.int32, device=DEVICE),
                                 k_cache=lambda a: a["k_cache"][:, :16], v_cache=lambda a: a["v_cache"][:, :16]),
                            ValueError, r"cache_batch_idx cannot be combined with block_table"),
-    "rotary tables": (dict(rotary_cos=lambda a: torch.ones(64, 8, device=DEVICE),
-                           rotary_sin=lambda a: torch.zeros(64, 8, device=DEVICE)), NotImplementedError,
-                      r"rotary_cos / rotary_sin: flashtile does not apply rotary embeddings"),
     "rotary_interleaved not a bool": (dict(rotary_interleaved=lambda a: 1), TypeError,
                                       r"rotary_interleaved must be a bool"),
 }

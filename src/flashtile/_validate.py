@@ -487,7 +487,9 @@ class KVCacheCall:
     sequence's cached tokens. cache_batch_idx (batch,) int32 or None: the cache row of each sequence
     (contiguous caches; None = row b). cache_leftpad (batch,) int32 or None: where each sequence's cached
     tokens start (None = 0). After the append, sequence b attends to the keys at positions cache_leftpad[b]
-    .. cache_seqlens[b] + seqlen_new - 1 of its row. q and the index tensors are contiguous where the kernels
+    .. cache_seqlens[b] + seqlen_new - 1 of its row. rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2) or
+    None: the rotary tables, applied to q and k_new by kvcache.apply_rotary (which replaces q and k_new with their
+    rotated copies) before the append. q and the index tensors are contiguous where the kernels
     need them to be (copies of strided arguments). layout holds what validation concluded from everything but
     tensor values; one layout object serves every call with the same signature, so backends may key per-layout
     launch plans on it.
@@ -505,6 +507,8 @@ class KVCacheCall:
     cache_batch_idx: torch.Tensor | None = None
     cache_leftpad: torch.Tensor | None = None
     learnable_sink: torch.Tensor | None = None  # (nheads,), float32 or q's dtype
+    rotary_cos: torch.Tensor | None = None  # (seqlen_ro, rotary_dim / 2), float32 or q's dtype
+    rotary_sin: torch.Tensor | None = None
 
     @property
     def problem(self) -> AttentionProblem:
@@ -554,24 +558,28 @@ def _check_index_values(cache_seqlens: torch.Tensor, cache_batch_idx: torch.Tens
 
 
 def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, seqlen_new: int,
-                        capacity: int, num_blocks: int, page_size: int | None, lengths_checked: bool) -> None:
+                        capacity: int, num_blocks: int, page_size: int | None, lengths_checked: bool,
+                        rotary_len: int = 0, rotary_span: int = 0) -> None:
     """The rules that need the values of cache_seqlens (unless lengths_checked: the caller checked them on
-    the host) and block_table.
+    the host), block_table, and, with rotary tables (rotary_span > 0), that the table's rotary_len rows reach
+    every position used: cache_seqlens[b] + rotary_span <= rotary_len.
 
-    Evaluated on the tensors' device with few small ops; only one or two booleans travel to the host
+    Evaluated on the tensors' device with few small ops; only a few booleans travel to the host
     (one synchronisation), and the offending entry is looked up only when a rule is broken.
     """
+    no = torch.zeros((), dtype=torch.bool, device=cache_seqlens.device)
     if lengths_checked:
-        bad_length = torch.zeros((), dtype=torch.bool, device=cache_seqlens.device)
+        bad_length, bad_rotary = no, no
     else:
         bad_length = (cache_seqlens < 0) | (cache_seqlens > capacity - seqlen_new)
+        bad_rotary = cache_seqlens > rotary_len - rotary_span if rotary_span else no
     if block_table is None:
-        any_length, any_block = bool(bad_length.any()), False
+        bad_block = no
     else:
         used = (cache_seqlens + (seqlen_new + page_size - 1)) // page_size  # pages holding each sequence
         needed = torch.arange(block_table.shape[1], device=block_table.device) < used[:, None]
         bad_block = needed & ((block_table < 0) | (block_table >= num_blocks))
-        any_length, any_block = torch.stack([bad_length.any(), bad_block.any()]).tolist()
+    any_length, any_block, any_rotary = torch.stack([bad_length.any(), bad_block.any(), bad_rotary.any()]).tolist()
     if any_length:
         b = int(bad_length.nonzero()[0, 0])
         length = int(cache_seqlens[b])
@@ -583,6 +591,17 @@ def _check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor |
         b, i = (int(x) for x in bad_block.nonzero()[0])
         raise ValueError(f"block_table[{b}, {i}] = {int(block_table[b, i])} is not a block of the cache "
                          f"(0 .. {num_blocks - 1}); nothing was written")
+    if any_rotary:
+        b = int(bad_rotary.nonzero()[0, 0])
+        raise _rotary_too_short(f"cache_seqlens[{b}] = {int(cache_seqlens[b])}", int(cache_seqlens[b]), rotary_span,
+                                rotary_len)
+
+
+def _rotary_too_short(what: str, length: int, span: int, rotary_len: int) -> ValueError:
+    return ValueError(f"rotary_cos / rotary_sin have {rotary_len} rows (positions 0 .. {rotary_len - 1}) but {what} "
+                      f"needs positions up to {length + span - 1}: q and the new k are rotated at cache_seqlens "
+                      f"onwards; pass tables of at least {length + span} rows (flash-attn asks for one row per "
+                      f"cache position); nothing was written")
 
 
 def _capturing(device: torch.device) -> bool:
@@ -613,6 +632,11 @@ class _KVCacheLayout:
     # index them as contiguous arrays, get contiguous copies
     batch_cache: int  # rows of a contiguous cache (cache_batch_idx picks among them), else the batch
     slopes_row: bool  # alibi_slopes came as (nheads,): used as (1, nheads)
+    rotary_dim: int = 0  # leading dims of q and k rotated (0: no rotary tables)
+    rotary_interleaved: bool = True  # rotate pairs (0, 1), (2, 3), ... (else halves: (i, i + rotary_dim / 2))
+    rotary_shifted: bool = False  # q's row i is rotated at cache_seqlens + i (causal or local), else at cache_seqlens
+    rotary_len: int = 0  # rows of the rotary tables (seqlen_ro)
+    rotary_span: int = 0  # positions used from cache_seqlens on: max(seqlen_new, seqlen_q if shifted else 1)
     # the backend and tiles chosen for this layout's problem, per backend request (_dispatch.resolve's memo)
     resolutions: dict = field(default_factory=dict)
 
@@ -660,27 +684,23 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
 
     The other rules read only dtypes, devices, shapes, strides and plain values; their conclusion is
     kept per signature of those (_kvcache_signature), so a repeated layout is not checked again.
-    Rotary embeddings are not implemented: rotary_cos / rotary_sin other than None raise NotImplementedError."""
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError(
-            "rotary_cos / rotary_sin: flashtile does not apply rotary embeddings inside flash_attn_with_kvcache; "
-            "rotate q and the new k before the call (positions cache_seqlens .. cache_seqlens + seqlen_new - 1) and "
-            "pass rotary_cos=None, rotary_sin=None")
-    _require_bool("rotary_interleaved", rotary_interleaved)
+    The rotary tables' length rule (they must reach position cache_seqlens[b] + rotary_span - 1) is a value rule
+    like the capacity's."""
     window = window_size if type(window_size) is tuple and len(window_size) == 2 else (window_size, None)
     tensor_seqlens = type(cache_seqlens) is torch.Tensor
     signature = _kvcache_signature(
         (q, k_cache, v_cache, k, v, block_table, alibi_slopes, cache_seqlens if tensor_seqlens else None,
-         cache_batch_idx, cache_leftpad, learnable_sink),
+         cache_batch_idx, cache_leftpad, learnable_sink, rotary_cos, rotary_sin),
         (None if tensor_seqlens else cache_seqlens, softmax_scale, causal, *window, softcap, num_splits,
-         return_softmax_lse, check_values))
+         return_softmax_lse, check_values, rotary_interleaved))
     layout = _KVCACHE_LAYOUTS.get(signature) if signature is not None else None
     if layout is None:
         layout = _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
                                  causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                  num_splits=num_splits, return_softmax_lse=return_softmax_lse,
                                  check_values=check_values, cache_batch_idx=cache_batch_idx,
-                                 cache_leftpad=cache_leftpad, learnable_sink=learnable_sink)
+                                 cache_leftpad=cache_leftpad, learnable_sink=learnable_sink, rotary_cos=rotary_cos,
+                                 rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
         if signature is not None:
             if len(_KVCACHE_LAYOUTS) >= MAX_KVCACHE_LAYOUTS:
                 _KVCACHE_LAYOUTS.clear()
@@ -689,7 +709,8 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
         cache_seqlens = torch.full((layout.problem.batch,), layout.host_length, dtype=torch.int32, device=q.device)
     if layout.check_values and not _capturing(q.device):
         _check_cache_values(cache_seqlens, block_table, layout.seqlen_new, layout.capacity, layout.num_blocks,
-                            layout.page_size, lengths_checked=layout.host_length is not None)
+                            layout.page_size, lengths_checked=layout.host_length is not None,
+                            rotary_len=layout.rotary_len, rotary_span=layout.rotary_span)
         if cache_batch_idx is not None or cache_leftpad is not None:
             _check_index_values(cache_seqlens, cache_batch_idx, cache_leftpad, layout.batch_cache,
                                 appending=layout.seqlen_new > 0)
@@ -700,12 +721,13 @@ def prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
                        cache_seqlens=cache_seqlens, block_table=block_table,
                        alibi_slopes=alibi_slopes.unsqueeze(0) if layout.slopes_row else alibi_slopes,
                        layout=layout, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                       learnable_sink=learnable_sink)
+                       learnable_sink=learnable_sink, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
 
 
 def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, softmax_scale, causal, window_size,
                     softcap, alibi_slopes, num_splits, return_softmax_lse, check_values, cache_batch_idx,
-                    cache_leftpad, learnable_sink) -> _KVCacheLayout:
+                    cache_leftpad, learnable_sink, rotary_cos=None, rotary_sin=None,
+                    rotary_interleaved=True) -> _KVCacheLayout:
     """prepare_kvcache's rules that need no tensor values (raising TypeError / ValueError)."""
     _require_tensor("q", q)
     if q.dim() != 4:
@@ -817,6 +839,14 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
     cap = _check_softcap(softcap)
     slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
     sink = _check_sink(learnable_sink, nheads, q.dtype, q.device)
+    _require_bool("rotary_interleaved", rotary_interleaved)
+    rotary_dim, rotary_len = _check_rotary(rotary_cos, rotary_sin, q, k)
+    # flash-attn's rule: with causal or a window (one narrower than the cache, as flash-attn drops wider ones), q's
+    # row i sits at position cache_seqlens + i, like the new tokens; otherwise every row sits at cache_seqlens
+    shifted = causal or 0 <= left < capacity or 0 <= right < capacity
+    rotary_span = max(seqlen_new, seqlen_q if shifted else 1) if rotary_dim else 0
+    if rotary_dim and host_length is not None and host_length + rotary_span > rotary_len:
+        raise _rotary_too_short(f"cache_seqlens = {host_length}", host_length, rotary_span, rotary_len)
     problem = AttentionProblem(
         batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=capacity, headdim=headdim,
         headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
@@ -830,4 +860,38 @@ def _kvcache_layout(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, so
                           seqlen_new=seqlen_new, return_lse=return_softmax_lse, host_length=host_length,
                           check_values=wanted and (host_length is None or block_table is not None or index_values),
                           index_copy=strided_index, batch_cache=batch if block_table is not None else k_cache.shape[0],
-                          slopes_row=slopes is not None and slopes is not alibi_slopes)
+                          slopes_row=slopes is not None and slopes is not alibi_slopes, rotary_dim=rotary_dim,
+                          rotary_interleaved=rotary_interleaved, rotary_shifted=shifted, rotary_len=rotary_len,
+                          rotary_span=rotary_span)
+
+
+def _check_rotary(rotary_cos: object, rotary_sin: object, q: torch.Tensor, k: torch.Tensor | None) -> tuple[int, int]:
+    """(rotary_dim, seqlen_ro) of the rotary tables, (0, 0) without them; the rules that need no values."""
+    if rotary_cos is None and rotary_sin is None:
+        return 0, 0
+    if rotary_cos is None or rotary_sin is None:
+        given, missing = ("rotary_cos", "rotary_sin") if rotary_sin is None else ("rotary_sin", "rotary_cos")
+        raise ValueError(f"{given} was given without {missing}; pass both tables (seqlen_ro, rotary_dim / 2) or "
+                         f"neither")
+    cos, sin = _require_tensor("rotary_cos", rotary_cos), _require_tensor("rotary_sin", rotary_sin)
+    if k is None:
+        raise ValueError("rotary_cos / rotary_sin need new tokens k and v: the tables rotate q and the new k at "
+                         "cache_seqlens onwards before the append (as in flash-attn); without new tokens, rotate q "
+                         "before the call")
+    if cos.dim() != 2 or cos.shape[1] == 0:
+        raise ValueError(f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim / 2 >= 1, got "
+                         f"{tuple(cos.shape)}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos has {tuple(cos.shape)}; they must "
+                         f"match")
+    if cos.dtype != sin.dtype or cos.dtype not in (torch.float32, q.dtype):
+        allowed = "float32" if q.dtype == torch.float32 else f"float32 or q's dtype ({q.dtype})"
+        raise TypeError(f"rotary_cos ({cos.dtype}) and rotary_sin ({sin.dtype}) must share one dtype, {allowed}")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    rotary_dim, headdim = 2 * cos.shape[1], q.shape[3]
+    if rotary_dim > headdim:
+        raise ValueError(f"rotary_cos has {cos.shape[1]} columns, so rotary_dim = {rotary_dim}, but q's headdim is "
+                         f"{headdim}; rotary_dim must be <= headdim (the tables are (seqlen_ro, rotary_dim / 2))")
+    return rotary_dim, cos.shape[0]

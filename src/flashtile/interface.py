@@ -167,8 +167,21 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
         k, v: optional (batch, seqlen_new, nheads_k, headdim[_v]) new tokens, written into the cache at
             positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (through block_table when paged)
             before attention runs.
-        rotary_cos, rotary_sin: must be None: rotary embeddings are not applied here (NotImplementedError
-            otherwise; rotate q and the new k before the call). rotary_interleaved (a bool) is then unused.
+        rotary_cos, rotary_sin: both None, or both (seqlen_ro, rotary_dim / 2), float32 or q's dtype, on q's
+            device: cos and sin of the rotary embedding's angles (row p: position p, column j: frequency j), with
+            rotary_dim = 2 * rotary_cos.shape[1] <= headdim. Only with k and v (as in flash-attn): the first
+            rotary_dim dims of q and of the new k (never v) are rotated before the new tokens are appended, so the
+            cache stores rotated keys. Positions, as in flash-attn:
+
+                new token t of sequence b:   cache_seqlens[b] + t
+                query row i, causal or a window narrower than the cache:   cache_seqlens[b] + i
+                query row i otherwise:   cache_seqlens[b]   (every row at one position)
+
+            counted from the start of the cache row (cache_leftpad does not move them). The tables must reach
+            every position used: seqlen_ro >= cache_seqlens[b] + max(seqlen_new, seqlen_q if the rows are
+            shifted else 1) (flash-attn asks for seqlen_ro >= the capacity, which is always enough). The rotation
+            runs as torch ops before the attention kernel, in float32 (float64 for float64 q) rounded once to q's
+            dtype, on new tensors: the caller's q and k are not modified.
         cache_seqlens: int or int32 (batch,): where each sequence's cached tokens end (without
             cache_leftpad: how many there are); None means every cache is full (capacity tokens) and then
             k, v must be None. An int (or None) becomes a device tensor at every call; a decode loop that
@@ -182,6 +195,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             cache_batch_idx and cache_leftpad take contiguous caches only (as in flash-attn).
         block_table: int32 (batch, max_blocks): sequence b's page i is block block_table[b, i] of the cache;
             capacity = max_blocks * page_size.
+        rotary_interleaved: with rotary tables, True (the default, as in flash-attn) rotates the pairs of dims
+            (2j, 2j + 1) (GPT-J style), False the pairs (j, j + rotary_dim / 2) (GPT-NeoX style); pair j turns by
+            the angle of column j. Dims past rotary_dim pass through. A bool; unused without tables.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as in `flash_attn_func`, with sequence
             b's keys being its cached tokens and the new ones: causal and windows are bottom-right aligned
             to the end of each sequence.
@@ -206,16 +222,17 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     Raises:
         TypeError / ValueError naming the argument and the rule, including a write past a cache's capacity,
         a block_table entry that is not a block of the cache, a cache_batch_idx entry that is not a row of the
-        cache (or repeats one while appending) and a cache_leftpad entry outside 0 .. cache_seqlens[b]; every
-        check runs before anything is written, so a call that raises leaves the cache unchanged. The last
-        four need the values of cache_seqlens, block_table, cache_batch_idx and cache_leftpad and run as
+        cache (or repeats one while appending), a cache_leftpad entry outside 0 .. cache_seqlens[b], and rotary
+        tables that are not a pair of (seqlen_ro, rotary_dim / 2) tensors of one dtype with rotary_dim <= headdim,
+        come without k and v, or do not reach the positions used; every check runs before anything is written,
+        so a call that raises leaves the cache unchanged. The last four need the values of cache_seqlens,
+        block_table, cache_batch_idx and cache_leftpad (the tables' length: of a tensor cache_seqlens) and run as
         check_values says. On a GPU they are by default the
         caller's guarantee (as in flash-attn), because reading the values back would stall every decode
         step; while a CUDA graph is captured or torch.compile traces they cannot run at all. When they
         are not checked and are broken, the result is undefined but memory stays safe: the kernel reads
-        at most `capacity` keys and only blocks and rows of the cache, and an append outside the cache stops
-        at torch's device-side index check.
-        NotImplementedError for rotary_cos / rotary_sin other than None.
+        at most `capacity` keys and only blocks and rows of the cache, rotary positions past the tables read
+        their last row, and an append outside the cache stops at torch's device-side index check.
         BackendUnavailableError when the requested backend cannot serve the call.
     """
     call = prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
@@ -226,6 +243,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                            learnable_sink=learnable_sink)
     name, tiles = _dispatch.resolve(call.problem, call.layout.resolutions)  # raises before the cache is touched
     backend = _dispatch.BACKENDS[name]
+    kvcache.apply_rotary(call)  # new copies of q and k; the caller's are untouched
     kvcache.append_to_cache(call)
     out, lse = backend.decode(call, backend.tiles_from_list(tiles), call.num_splits)
     return (out, lse) if return_softmax_lse else out
@@ -264,13 +282,14 @@ class Explanation(str):
     """A readable account of what a call would run (a str; print it)."""
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, *, api: str = "flash_attn_func", **kwargs: Any) -> Explanation:
+def explain(q: Tensor, k: Tensor, v: Tensor, /, *, api: str = "flash_attn_func", **kwargs: Any) -> Explanation:
     """Describe the backend, schedule (Triton backend: fa1, fa2, fa3, fa4 or decode), kernels and tiles a call with
     these arguments would run, and why.
 
     Takes the same arguments as `flash_attn_func` (or, with api="flash_attn_varlen_func",
     "flash_attn_with_kvcache" or "scaled_dot_product_attention", as that function; pass the extra
-    arguments by keyword; for the KV cache, k and v are the caches and new tokens go as k=, v=).
+    arguments by keyword; for the KV cache, the three tensors are q and the caches, passed by position, and new
+    tokens go as k=, v=).
     Computes nothing. If the call would raise, the description names the error instead of raising it.
     """
     try:
@@ -301,6 +320,12 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, api: str = "flash_attn_func", **
             f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()} (aligned to each sequence's last key)",
             f"schedule: {chosen.backend.describe_decode(call, chosen.tiles)}",
         ]
+        if call.rotary_cos is not None:
+            lay = call.layout
+            pairs = "interleaved pairs (2j, 2j + 1)" if lay.rotary_interleaved else "halves (j, j + rotary_dim / 2)"
+            lines.append(f"rotary: the first {lay.rotary_dim} of {p.headdim} dims of q and the new k, {pairs}, q's row "
+                         f"i at {'cache_seqlens + i' if lay.rotary_shifted else 'cache_seqlens'}; torch ops before the "
+                         f"kernel (float32, rounded once)")
     else:
         lines += [
             f"problem: {_describe_batch(p)}, {shape}",

@@ -18,6 +18,11 @@ cache_leftpad[b] (0 without it) .. cache_seqlens[b] + seqlen_new - 1 of its row,
 cache_seqlens[b] onwards; its queries are its newest tokens (causal and windows bottom-right aligned to the
 end of its keys, so the left padding is invisible to them).
 
+Rotary embeddings (rotary_cos / rotary_sin, as in flash-attn) rotate q and the new keys before the append, in
+torch ops on the tensors' device (apply_rotary; no kernel of its own): the new key t of sequence b at position
+cache_seqlens[b] + t, query row i at cache_seqlens[b] + i with causal or a window, else at cache_seqlens[b]. The
+rotated keys are what the cache stores; v is never rotated.
+
 The append runs on the tensors' device. attention_over_cache is the torch backend's attention (any
 device; one dense tiled pass per sequence and split; it reads cache_seqlens on the host); the Triton
 backend's is flashtile.triton.decode.
@@ -36,6 +41,54 @@ from ._validate import KVCacheCall
 def _paged_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(block, slot) of key positions through block-table rows: table (..., max_blocks), positions (..., n)."""
     return table.to(torch.int64).gather(-1, positions // page_size), positions % page_size
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x (batch, n, heads, headdim) with its first rotary_dim = 2 * cos.shape[-1] dims rotated by the angles whose
+    cosines and sines are cos, sin (batch, n, rotary_dim / 2): pair j is (2j, 2j + 1) when interleaved (GPT-J),
+    else (j, j + rotary_dim / 2) (GPT-NeoX). Computed in float32 (float64 for float64 x) and rounded once to x's
+    dtype; the dims past rotary_dim are copied. Returns a new contiguous tensor."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    half = cos.shape[-1]
+    c, s = cos.to(compute)[:, :, None], sin.to(compute)[:, :, None]  # broadcast over heads
+    head = x[..., :2 * half].to(compute)
+    if interleaved:
+        first, second = head[..., 0::2], head[..., 1::2]
+    else:
+        first, second = head[..., :half], head[..., half:]
+    # (first + i second) * (cos + i sin)
+    new_first, new_second = first * c - second * s, first * s + second * c
+    if interleaved:
+        rotated = torch.stack((new_first, new_second), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((new_first, new_second), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def apply_rotary(call: KVCacheCall) -> None:
+    """Replace call.q and call.k_new by their rotated copies (the caller's tensors are not modified); nothing
+    without rotary tables.
+
+    Positions are cache_seqlens[b] + t for the new key t, and for query row i the same with layout.rotary_shifted
+    (causal or a window), else cache_seqlens[b]. They are clamped into the tables, so unchecked values
+    (check_values) that would reach past them give undefined results but never read outside the tables.
+    """
+    if call.rotary_cos is None:
+        return
+    layout = call.layout
+    cos, sin = call.rotary_cos, call.rotary_sin
+    start = call.cache_seqlens.to(torch.int64)[:, None]
+
+    def tables(n: int, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        steps = torch.arange(n, device=start.device) if shifted else torch.zeros(n, dtype=torch.int64,
+                                                                                  device=start.device)
+        positions = (start + steps).clamp_(0, layout.rotary_len - 1)  # (batch, n)
+        return cos[positions], sin[positions]
+
+    with torch.no_grad():  # the call returns no gradient
+        call.q = rotate(call.q, *tables(call.q.shape[1], layout.rotary_shifted), layout.rotary_interleaved)
+        if call.k_new.shape[1]:
+            call.k_new = rotate(call.k_new, *tables(call.k_new.shape[1], True), layout.rotary_interleaved)
 
 
 def append_to_cache(call: KVCacheCall) -> None:

@@ -6,6 +6,9 @@ take the softmax, multiply by V. A learnable sink is one more column of the scor
 its head's logit, whose probability multiplies no value. It is differentiable with ordinary autograd
 (and NaN-free for fully masked rows), so tests take gradients of it too. Use it for checking, never
 for speed: it needs O(seqlen_q * seqlen_k) memory per head.
+
+rotary_reference is the oracle of the KV cache's rotary embeddings: a multiplication by e^(i angle) of complex
+numbers made of pairs of dims.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["attention_reference", "flash_attn_reference", "flash_attn_varlen_reference", "sdpa_reference"]
+__all__ = ["attention_reference", "flash_attn_reference", "flash_attn_varlen_reference", "rotary_reference",
+           "sdpa_reference"]
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None = None,
@@ -159,3 +163,33 @@ def sdpa_reference(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor 
     if query.dim() == 2:
         return out[0, 0], lse[0, 0]
     return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
+
+
+def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool,
+                     dtype: torch.dtype = torch.float64) -> Tensor:
+    """Rotary embedding of x (batch, n, heads, headdim) at positions (batch, n), in `dtype`.
+
+    cos, sin (seqlen_ro, rotary_dim / 2) hold cos and sin of the angles of each position and frequency. Pair j of
+    dims, (2j, 2j + 1) when interleaved else (j, j + rotary_dim / 2), read as the complex number x_a + i x_b, is
+    multiplied by cos + i sin of its position's angle j; dims past rotary_dim are unchanged. float64 and float32
+    multiply complex numbers; other dtypes (the same-dtype eager baseline of fp16 / bf16) take the real formula
+    (x_a cos - x_b sin, x_a sin + x_b cos) in that dtype.
+    """
+    half = cos.shape[-1]
+    x = x.to(dtype)
+    c, s = cos.to(dtype)[positions.long()][:, :, None], sin.to(dtype)[positions.long()][:, :, None]
+    if interleaved:
+        a, b = x[..., :2 * half:2], x[..., 1:2 * half:2]
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+    if dtype in (torch.float64, torch.float32):
+        turned = torch.complex(a, b) * torch.complex(c, s)
+        a, b = turned.real, turned.imag
+    else:
+        a, b = a * c - b * s, a * s + b * c
+    out = x.clone()
+    if interleaved:
+        out[..., :2 * half:2], out[..., 1:2 * half:2] = a, b
+    else:
+        out[..., :half], out[..., half:2 * half] = a, b
+    return out
