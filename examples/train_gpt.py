@@ -19,15 +19,15 @@ curves on one plot (--plot) and, with --json, every number.
 
 Usage (from the repository root, after `pip install -e ".[examples]"`, which adds tqdm and matplotlib):
 
-    # CPU: a tiny model (about 0.1M parameters), about a minute on two cores for both attentions
-    python examples/train_gpt.py --device cpu --size small --attn both
+    # CPU: a tiny model (0.1M parameters), about a minute on two cores for both attentions
+    python examples/train_gpt.py --device cpu --size small --attn both --threads 1
 
-    # GPU: 6 layers, width 384, 6 heads of 64, context 256, bf16 autocast (10.8M parameters)
+    # GPU: 6 layers, width 384, 6 heads of 64, context 256, dropout 0.2, bf16 autocast (10.8M parameters)
     python examples/train_gpt.py --device cuda --size gpu --attn both --steps 2000 --json out/train_gpt.json
 
 On CUDA, flashtile runs its Triton kernels; on CPU tensors it runs its pure-PyTorch tiled backend (what each call
-runs is printed, from flashtile.explain). `--n-layer`, `--n-embd`, `--n-head`, `--block-size` and
-`--batch-size` override the preset's shape.
+runs is printed, from flashtile.explain). `--n-layer`, `--n-embd`, `--n-head`, `--block-size`,
+`--batch-size`, `--lr` and `--dropout` override the preset's values.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class Preset:
     batch_size: int
     steps: int
     lr: float
+    dropout: float  # on the embeddings and each residual branch (attention itself has none: flashtile has no dropout)
     eval_every: int  # steps between evaluations (and the last step)
     eval_batches: int  # batches averaged per split and evaluation
     sample_chars: int
@@ -76,9 +77,9 @@ class Preset:
 
 PRESETS = {
     "small": Preset(n_layer=2, n_embd=64, n_head=4, block_size=64, batch_size=16, steps=600, lr=6e-3,
-                    eval_every=50, eval_batches=8, sample_chars=80),
+                    dropout=0.0, eval_every=50, eval_batches=8, sample_chars=80),
     "gpu": Preset(n_layer=6, n_embd=384, n_head=6, block_size=256, batch_size=64, steps=2000, lr=1e-3,
-                  eval_every=250, eval_batches=40, sample_chars=300),
+                  dropout=0.2, eval_every=250, eval_batches=40, sample_chars=300),
 }
 
 
@@ -150,13 +151,14 @@ ATTENTION_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {"flashtile": flas
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
         self.n_head = n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
         self.proj = nn.Linear(n_embd, n_embd, bias=False)
+        self.dropout = nn.Dropout(dropout)
         self.attention = flashtile_attention  # set by GPT.use_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,16 +168,16 @@ class CausalSelfAttention(nn.Module):
         # pure-PyTorch backend, which serves CPU tensors, does not run under autocast: it would recast its matmuls)
         with torch.autocast(x.device.type, enabled=False):
             out = self.attention(q, k, v)
-        return self.proj(out.reshape(batch, seq, width))
+        return self.dropout(self.proj(out.reshape(batch, seq, width)))
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd, bias=False))
+                                 nn.Linear(4 * n_embd, n_embd, bias=False), nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -185,12 +187,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A decoder-only transformer over characters."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_embd: int, n_head: int):
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_embd: int, n_head: int, dropout: float):
         super().__init__()
         self.block_size = block_size
         self.tok = nn.Embedding(vocab_size, n_embd)
         self.pos = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         for name, p in self.named_parameters():
@@ -204,7 +207,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (batch, seq) token ids, seq <= block_size. Returns logits (batch, seq, vocab_size)."""
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        x = self.dropout(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -246,6 +249,7 @@ class Config:
     block_size: int
     batch_size: int
     lr: float
+    dropout: float
     eval_every: int
     eval_batches: int
     sample_chars: int
@@ -261,7 +265,8 @@ def autocast_for(config: Config):
 
 def build_model(config: Config, vocab_size: int) -> GPT:
     torch.manual_seed(config.seed)  # the same initial weights for every attention
-    return GPT(vocab_size, config.block_size, config.n_layer, config.n_embd, config.n_head).to(config.device)
+    return GPT(vocab_size, config.block_size, config.n_layer, config.n_embd, config.n_head,
+               config.dropout).to(config.device)
 
 
 def learning_rate(config: Config, step: int) -> float:
@@ -303,8 +308,8 @@ def synchronize(device: str) -> None:
 
 
 def step0_check(config: Config, data: CharData) -> dict[str, Any]:
-    """The freshly initialised model's logits on the first training batch, through each attention."""
-    model = build_model(config, data.vocab_size)
+    """The freshly initialised model's logits on the first training batch, through each attention (no dropout)."""
+    model = build_model(config, data.vocab_size).eval()
     x, y = (t.to(config.device) for t in data.batch("train", config.batch_size,
                                                     torch.Generator().manual_seed(config.seed)))
     autocast, results = autocast_for(config), {}
@@ -331,18 +336,26 @@ def train(config: Config, data: CharData, attn: str, tqdm) -> dict[str, Any]:
     tokens_per_step = config.batch_size * config.block_size
 
     step_losses, evals = [], []
-    timed_seconds, timed_steps = 0.0, 0
+    # throughput: the steps after the first (which compiles the GPU kernels), timed in segments between evaluations
+    # (synchronising only at their ends, so the GPU's queue of work is not drained every step)
+    first_timed = 1 if config.steps > 1 else 0
+    timed_seconds, timed_steps, segment_start = 0.0, 0, None
     wall_start = time.perf_counter()
     bar = tqdm(range(config.steps), desc=f"{attn:>9}", unit="step", dynamic_ncols=True)
     for step in bar:
         if step % config.eval_every == 0:
+            if segment_start is not None:
+                synchronize(config.device)
+                timed_seconds += time.perf_counter() - segment_start
+                segment_start = None
             evals.append({"step": step, **evaluate(model, eval_sets, autocast)})
             bar.set_postfix(val=f"{evals[-1]['val']:.3f}")
+        if step >= first_timed:
+            if segment_start is None:
+                synchronize(config.device)
+                segment_start = time.perf_counter()
+            timed_steps += 1
         x, y = (t.to(config.device, non_blocking=True) for t in data.batch("train", config.batch_size, generator))
-        timed = step > 0 or config.steps == 1  # step 0 compiles the GPU kernels: left out of the throughput
-        if timed:
-            synchronize(config.device)
-            started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
         with autocast():
@@ -350,13 +363,11 @@ def train(config: Config, data: CharData, attn: str, tqdm) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if timed:
-            synchronize(config.device)
-            timed_seconds += time.perf_counter() - started
-            timed_steps += 1
         step_losses.append(loss.detach())
         if step % 10 == 0 or step == config.steps - 1:
             bar.set_postfix(loss=f"{float(step_losses[-1]):.3f}", val=f"{evals[-1]['val']:.3f}")
+    synchronize(config.device)
+    timed_seconds += time.perf_counter() - segment_start
     bar.close()
     final = evaluate(model, eval_sets, autocast)
     evals.append({"step": config.steps, **final})
@@ -419,6 +430,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
                  "sample_chars"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="override the preset's")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    parser.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the preset's)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a UTF-8 text file (default: %(default)s)")
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="PNG of the loss curves (%(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="write the numbers to this JSON file")
@@ -438,7 +450,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     values = {f.name: getattr(args, f.name) if getattr(args, f.name, None) is not None else getattr(preset, f.name)
               for f in dataclasses.fields(Preset)}
     for name, value in values.items():
-        if name != "lr" and value < (0 if name == "sample_chars" else 1):
+        if name == "dropout" and not 0.0 <= value < 1.0:
+            parser.error(f"--dropout must be in [0, 1), got {value}")
+        if name not in ("lr", "dropout") and value < (0 if name == "sample_chars" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     config = Config(attn=args.attn, device=str(device), size=args.size or ("gpu" if device.type == "cuda" else "small"),
                     seed=args.seed, precision=args.precision or ("bf16" if device.type == "cuda" else "fp32"),

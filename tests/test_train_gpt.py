@@ -17,7 +17,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 TINY = ["--device", "cpu", "--precision", "fp32", "--threads", "1", "--steps", "3", "--n-layer", "1", "--n-embd", "32",
         "--n-head", "2", "--block-size", "32", "--batch-size", "4", "--eval-every", "2", "--eval-batches", "1",
-        "--sample-chars", "4"]
+        "--sample-chars", "4", "--dropout", "0.1"]
 
 
 @pytest.fixture(scope="module")
