@@ -223,6 +223,7 @@ def generate_greedy(model: GPT, data: CharData, prompt: str, n_chars: int, devic
     """Greedy continuation of `prompt`. Every step runs one window of block_size tokens (the tail of the text,
     padded on the right): under causal attention the logits at a position ignore what comes after it, and one
     shape for every call means the GPU kernels are compiled once."""
+    model.eval()  # no dropout
     ids = [data.index[c] for c in prompt if c in data.index] or [0]
     window = torch.zeros(1, model.block_size, dtype=torch.long, device=device)
     for _ in range(n_chars):
