@@ -164,10 +164,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, width // self.n_head).unbind(2)
-        # q, k, v are already in autocast's dtype; both attentions take them as they are, outside autocast (flashtile's
-        # pure-PyTorch backend, which serves CPU tensors, does not run under autocast: it would recast its matmuls)
-        with torch.autocast(x.device.type, enabled=False):
-            out = self.attention(q, k, v)
+        # q, k, v are already in autocast's dtype: both attentions compute in it
+        out = self.attention(q, k, v)
         return self.dropout(self.proj(out.reshape(batch, seq, width)))
 
 

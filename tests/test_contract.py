@@ -151,3 +151,19 @@ def test_calls_without_gradients_skip_autograd_and_give_the_same_results(monkeyp
     for got in (plain, no_grad, inference):
         assert got[0].grad_fn is None and got[1].grad_fn is None and not got[0].requires_grad
         assert torch.equal(got[0], out.detach()) and torch.equal(got[1], lse.detach())
+
+
+def test_autocast_leaves_the_attention_in_its_inputs_dtype(backend):
+    """Under torch.autocast the inputs' dtype sets the precision (the torch backend's tiles would otherwise mix
+    autocast's dtype with float32 statistics): float32 inputs give float32 results equal to those outside autocast,
+    forward and backward."""
+    q, k, v = (torch.randn(1, 37, 2, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    with flashtile.use_backend(backend):
+        expected = flashtile.flash_attn_func(q, k, v, causal=True)
+        expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            out = flashtile.flash_attn_func(q, k, v, causal=True)
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert out.dtype == torch.float32 and torch.equal(out, expected), "out under autocast"
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert torch.equal(got, want), f"{name} under autocast"

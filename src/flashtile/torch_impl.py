@@ -25,6 +25,7 @@ laid out (batch * nheads_k, seqlen_k, headdim) in the accumulation dtype.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -184,6 +185,18 @@ def _initial_row_stats(ops: _Operands, learnable_sink: torch.Tensor | None,
     return row_max, torch.ones(shape, dtype=ops.acc, device=p.device)
 
 
+def _in_the_inputs_dtype(function):
+    """Run a backend entry point with autocast off on its tensors' device: the inputs' dtype sets the precision, as
+    in the Triton kernels (under autocast the tiles' matmuls would otherwise run in autocast's dtype against
+    float32 statistics and fail on mixed dtypes)."""
+    @functools.wraps(function)
+    def run(first, *args, **kwargs):
+        with torch.autocast(first.device.type, enabled=False):
+            return function(first, *args, **kwargs)
+    return run
+
+
+@_in_the_inputs_dtype
 def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TorchTiles,
                       learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward pass.
@@ -224,6 +237,7 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
     return out, lse.transpose(1, 2).contiguous()
 
 
+@_in_the_inputs_dtype
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask,
                        problem: AttentionProblem, tiles: TorchTiles, learnable_sink: torch.Tensor | None = None):
     """Recompute-based backward pass: returns (dq, dk, dv), contiguous, shaped like q, k, v, in their dtype, and
@@ -328,6 +342,7 @@ def sequence_slopes(alibi_slopes: torch.Tensor | None, index: int) -> torch.Tens
     return alibi_slopes[index:index + 1]
 
 
+@_in_the_inputs_dtype
 def varlen_attention_forward(q, k, v, alibi_slopes, problem: AttentionProblem, tiles: TorchTiles,
                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                              learnable_sink: torch.Tensor | None = None):
@@ -348,6 +363,7 @@ def varlen_attention_forward(q, k, v, alibi_slopes, problem: AttentionProblem, t
     return out, lse
 
 
+@_in_the_inputs_dtype
 def varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, problem: AttentionProblem,
                               tiles: TorchTiles, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                               learnable_sink: torch.Tensor | None = None):
