@@ -101,11 +101,12 @@ class TorchBackend:
         return (f"{tiles.describe(problem)}; {visited} of {full} tiles visited per (batch, K/V head) "
                 f"({masked} with an element mask)")
 
-    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None):
+    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None,
+                rng_state=None):
         if problem.varlen:
             return torch_impl.varlen_attention_forward(q, k, v, alibi_slopes, problem, tiles, cu_seqlens_q,
-                                                       cu_seqlens_k)
-        return torch_impl.attention_forward(q, k, v, alibi_slopes, attn_mask, problem, tiles)
+                                                       cu_seqlens_k, rng_state)
+        return torch_impl.attention_forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, rng_state)
 
     def describe_decode(self, call, tiles) -> str:
         splits = max(1, call.num_splits)
@@ -119,12 +120,12 @@ class TorchBackend:
             return kvcache.attention_over_cache(call, tiles, max(1, num_splits))  # splitting adds no parallelism here
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
-                 cu_seqlens_q=None, cu_seqlens_k=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None):
         if problem.varlen:
             return torch_impl.varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes,
-                                                        problem, tiles, cu_seqlens_q, cu_seqlens_k)
+                                                        problem, tiles, cu_seqlens_q, cu_seqlens_k, rng_state)
         return torch_impl.attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes,
-                                             attn_mask, problem, tiles)
+                                             attn_mask, problem, tiles, rng_state)
 
 
 @functools.cache
@@ -301,10 +302,11 @@ class TritonBackend:
         return (f"{tiles.describe(problem)}; forward visits {visited} of {full} tiles per (batch, head) "
                 f"({masked} with an element mask)")
 
-    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None):
+    def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None,
+                rng_state=None):
         with on_device(q.device):
             return _triton_launch().forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q,
-                                            cu_seqlens_k)
+                                            cu_seqlens_k, rng_state)
 
     def describe_decode(self, call, tiles) -> str:
         return _triton_launch().decode_geometry(call.problem, call.page_size, call.num_splits).describe()
@@ -314,10 +316,10 @@ class TritonBackend:
             return _triton_launch().decode(call, num_splits)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
-                 cu_seqlens_q=None, cu_seqlens_k=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None):
         with on_device(q.device):
             return _triton_launch().backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask,
-                                             problem, tiles, cu_seqlens_q, cu_seqlens_k)
+                                             problem, tiles, cu_seqlens_q, cu_seqlens_k, rng_state)
 
 
 @functools.lru_cache(maxsize=256)

@@ -152,6 +152,8 @@ def gluon_backward_unserved_reason(problem: AttentionProblem, overlap: bool = Fa
     with the intra-warpgroup overlap where `overlap` (gluon_backward_overlap); the tensors' alignment is checked at
     launch."""
     p = problem
+    if p.dropout_p > 0:  # a property of the call, reported before the platform's reasons
+        return "dropout runs the Triton backward (the Gluon dK/dV kernel has no dropout)"
     reason = _gluon_platform_reason(p)
     if reason:
         return reason
@@ -201,6 +203,8 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     """Why the Gluon forward does not serve `problem` ('' where it does); the tensors' alignment is checked at
     launch (launch.gluon_unserved)."""
     p = problem
+    if p.dropout_p > 0:  # a property of the call, reported before the platform's reasons
+        return "dropout runs the Triton kernels (the Gluon forward has no dropout)"
     reason = _gluon_platform_reason(p)
     if reason:
         return reason
