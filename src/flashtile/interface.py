@@ -124,8 +124,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         out (total_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) with lse
         (nheads, total_q) float32; with return_attn_probs=True, (out, lse, S_dmask), S_dmask (nseq, nheads,
         max_seqlen_q, max_seqlen_k) with sequence s's probabilities at S_dmask[s, :, :len_q, :len_k] (each max at
-        least the longest sequence), or None with dropout_p = 0. Rows that see no key (including every row of a sequence with no keys)
-        get out 0, lse -inf and zero gradients; keys of a sequence with no queries get zero gradients.
+        least the longest sequence), or None with dropout_p = 0. Rows that see no key (including every row of a
+        sequence with no keys) get out 0, lse -inf and zero gradients; keys of a sequence with no queries get zero
+        gradients.
         The work is proportional to each sequence's own length (programs of short sequences exit early).
 
     Raises:
