@@ -87,7 +87,7 @@ def test_the_mask_depends_on_seed_offset_and_position_alone(seed):
 CASES = {
     # name: (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v, options)
     "causal-gqa-ragged": (2, 23, 37, 2, 1, 16, 8, dict(causal=True)),
-    "window-softcap-mqa-empty-rows": (1, 33, 18, 3, 1, 8, 16, dict(window_size=(6, 2), softcap=5.0)),
+    "window-softcap-mqa-empty-rows": (1, 29, 18, 2, 1, 8, 16, dict(window_size=(6, 2), softcap=5.0)),
 }
 RUNS = [("torch", torch.float16), ("torch", torch.float32), ("triton-pointer", torch.float16),
         ("triton-tma", torch.float32)]
