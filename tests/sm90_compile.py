@@ -186,11 +186,14 @@ def main():
     rng = {"RngState": "*i64"}
     box = {name: f"tensordesc<bf16[1,1,{rows},64]>" for name, rows in (("q_desc", 128), ("k_desc", 128),
                                                                            ("v_desc", 128))}
+    # the forward with a learnable sink too (HAS_SINK beside HAS_DROPOUT: the sink starts the row state that the
+    # dropped-out accumulation divides by)
     results.append(compile_variant(
-        "fwd-tma schedule 1 dropout bf16 d64 causal", attention_fwd_tma_kernel,
+        "fwd-tma schedule 1 dropout sink bf16 d64 causal", attention_fwd_tma_kernel,
         dict(flags, BLOCK_M=128, BLOCK_N=128, WARP_SPECIALIZE=False, MASK_ALL=True, VARLEN=False,
-             SEPARATE_RAGGED_END=False),
-        dict(box, Q="*bf16", Out="*bf16", Lse="*fp32", Slopes="*fp32", CuSeqlensQ="*i32", CuSeqlensK="*i32", **rng),
+             SEPARATE_RAGGED_END=False, HAS_SINK=True),
+        dict(box, Q="*bf16", Out="*bf16", Lse="*fp32", Slopes="*fp32", Sink="*fp32", CuSeqlensQ="*i32",
+             CuSeqlensK="*i32", **rng),
         8, 2))
     bwd_box = {**{name: "*bf16" for name in ("Q", "K", "V", "dOut", "dK", "dV", "dQ")},
                **{name: "*fp32" for name in ("Lse", "Delta", "Slopes")}, "Mask": "*u8", "CuSeqlensQ": "*i32",

@@ -1,6 +1,6 @@
 """Attention dropout: the keep-mask is a function of (seed, offset, position) alone, out and the gradients follow the
-float64 oracle given that mask, the mask keeps 1 - p of the probabilities, torch.manual_seed reproduces a call, and
-invalid dropout_p is refused before anything is drawn."""
+float64 oracle given that mask (with a learnable sink too), the mask keeps 1 - p of the probabilities,
+torch.manual_seed reproduces a call, and invalid dropout_p is refused before anything is drawn."""
 
 from __future__ import annotations
 
@@ -108,6 +108,42 @@ def test_out_and_gradients_follow_the_oracle_with_the_same_mask(variant, dtype, 
     want = flash_attn_reference(q, k, v, **options, dropout_mask=mask, dropout_p=p)
     eager = flash_attn_reference(q, k, v, **options, dtype=dtype, dropout_mask=mask, dropout_p=p)
     assert_attention_follows_the_eager_rule(got, want, eager, (q, k, v), dtype, seed)
+
+
+SINK_RUNS = [("torch", torch.float32), ("triton-pointer", torch.float16), ("triton-tma", torch.float32)]
+
+
+@pytest.mark.parametrize("variant, dtype", SINK_RUNS, ids=[f"{v}-{str(d)[6:]}" for v, d in SINK_RUNS])
+def test_dropout_with_a_learnable_sink_follows_the_oracle(variant, dtype, seed):
+    """A call with both a learnable sink and dropout: the sink joins the softmax denominator (and the lse) and is never
+    dropped, dropout acts on the keys' normalised probabilities. out, lse and the gradients of q, k, v and the sink
+    (through out and lse) against float64 autograd of the oracle with the call's keep-mask, within the eager rule;
+    causal with seqlen_q > seqlen_k leaves rows without keys (out 0, lse = the sink). S_dmask carries the same mask
+    and the probabilities whose denominator includes the sink."""
+    skip_unsupported(VARIANTS[variant][0], dtype)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v, p = 2, 23, 17, 4, 2, 16, 8, 0.3
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v, dtype, requires_grad=True)
+    sink = (torch.randn(nheads, dtype=torch.float64) + 0.5).to(device=DEVICE, dtype=torch.float32).requires_grad_(True)
+    mask = _dropout.dense_keep_mask(state_of_seed(seed), p, batch, nheads, seqlen_q, seqlen_k, DEVICE)
+    with run_on(variant):
+        out, lse, probs = flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True,
+                                                    learnable_sink=sink)
+    assert torch.equal(~torch.signbit(probs), mask), "signbit(S_dmask) is not the call's keep-mask"
+    want = flash_attn_reference(q, k, v, causal=True, learnable_sink=sink, dropout_mask=mask, dropout_p=p)
+    eager = flash_attn_reference(q, k, v, causal=True, learnable_sink=sink, dtype=dtype, dropout_mask=mask,
+                                 dropout_p=p)
+    assert_attention_follows_the_eager_rule((out, lse), want, eager, (q, k, v, sink), dtype, seed,
+                                            names=("dq", "dk", "dv", "dsink"))
+    empty = seqlen_q - seqlen_k  # the first rows see no key
+    assert (out[:, :empty] == 0).all(), "a row without keys must give out = 0"
+    torch.testing.assert_close(lse[:, :, :empty], sink.detach()[None, :, None].expand(batch, nheads, empty))
+    # |S_dmask| = P with the sink in the denominator: exp(S - lse) from the float64 oracle's lse
+    qt, kt = q.detach().double().transpose(1, 2), k.detach().double().transpose(1, 2)
+    scores = torch.einsum("bhid,bhjd->bhij", qt, kt.repeat_interleave(nheads // nheads_k, dim=1)) / math.sqrt(headdim)
+    causal = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=DEVICE).tril(seqlen_k - seqlen_q)
+    expected = (scores - want[1].detach()[..., None]).exp().masked_fill(~causal, 0.0)
+    error, where = max_abs_error(probs.abs(), expected)
+    assert error < (1e-6 if dtype == torch.float32 else 1e-3), f"|S_dmask| differs from P by {error:.2e} at {where}"
 
 
 def test_the_fa4_schedule_serves_dropout(seed):
