@@ -144,9 +144,8 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, Sink, b, h
                                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                                             diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
                                             MASK_ALL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True,
-                                            VARLEN, SCALE_IN_EXP2,
-                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed, dropout_stream,
-                                                dropout_row, dropout_threshold, HAS_DROPOUT)
+                                            VARLEN, SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed,
+                                            dropout_stream, dropout_row, dropout_threshold, HAS_DROPOUT)
     else:
         if HAS_LEFT:
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo,
