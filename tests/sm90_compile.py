@@ -22,7 +22,7 @@ from flashtile.triton.configs import default_tiles, fa4_tiles
 from flashtile.triton.launch import default_decode_tile, page_chunk
 from flashtile._validate import AttentionProblem
 
-FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out"}
+FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out", "dropout_scale"}
 
 
 def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
@@ -179,6 +179,30 @@ def main():
                      PAGE_CHUNK=page_chunk(decode_tile.block_n, page_size),
                      SPLIT=split, STORE_LSE=not split, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_SINK=not split),
                 decode_ptrs, decode_tile.num_warps, decode_tile.num_stages))
+    # dropout (HAS_DROPOUT) in the TMA forward and the one-launch TMA backward, whose dQ and dK/dV loops hold the rest
+    # of the dropout code (common.dropout_keep in every loop; the dK/dV loop's transposed mask), bf16 d = 64 causal
+    flags = dict(HEADDIM=64, HEADDIM_V=64, BLOCK_D=64, BLOCK_DV=64, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False,
+                 HAS_ALIBI=False, DOT_PRECISION="ieee", SCALE_IN_EXP2=True, HAS_DROPOUT=True)
+    rng = {"RngState": "*i64"}
+    box = {name: f"tensordesc<bf16[1,1,{rows},64]>" for name, rows in (("q_desc", 128), ("k_desc", 128),
+                                                                           ("v_desc", 128))}
+    # the forward with a learnable sink too (HAS_SINK beside HAS_DROPOUT: the sink starts the row state that the
+    # dropped-out accumulation divides by)
+    results.append(compile_variant(
+        "fwd-tma schedule 1 dropout sink bf16 d64 causal", attention_fwd_tma_kernel,
+        dict(flags, BLOCK_M=128, BLOCK_N=128, WARP_SPECIALIZE=False, MASK_ALL=True, VARLEN=False,
+             SEPARATE_RAGGED_END=False, HAS_SINK=True),
+        dict(box, Q="*bf16", Out="*bf16", Lse="*fp32", Slopes="*fp32", Sink="*fp32", CuSeqlensQ="*i32",
+             CuSeqlensK="*i32", **rng),
+        8, 2))
+    bwd_box = {**{name: "*bf16" for name in ("Q", "K", "V", "dOut", "dK", "dV", "dQ")},
+               **{name: "*fp32" for name in ("Lse", "Delta", "Slopes")}, "Mask": "*u8", "CuSeqlensQ": "*i32",
+               "CuSeqlensK": "*i32", **{name: "tensordesc<bf16[1,1,64,64]>" for name in ("q_desc", "k_desc",
+                                                                                          "v_desc", "do_desc")},
+               **rng}
+    results.append(compile_variant("bwd-one-launch tma dropout bf16 d64 causal", attention_bwd_kernel,
+                                   dict(flags, BLOCK_M=64, BLOCK_N=128, MASK_KIND=0, VARLEN=False, USE_TMA=True),
+                                   bwd_box, 8, 2))
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
                                    dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True, HAS_SINK=True),
                                    {"Part": "*fp32", "Out": "*bf16", "Lse": "*fp32", "Sink": "*fp32"}, 4, 1))

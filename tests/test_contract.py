@@ -51,9 +51,12 @@ FLASH_BAD_INPUTS = {
     "alibi dtype": (qkv, {"alibi_slopes": torch.ones(4, dtype=torch.int64)}, TypeError, r"alibi_slopes must be a floating tensor"),
     "alibi device": (qkv, {"alibi_slopes": torch.rand(4, device="meta")}, ValueError, r"alibi_slopes is on meta"),
     "alibi requires grad": (qkv, {"alibi_slopes": torch.rand(4, requires_grad=True)}, ValueError, r"alibi_slopes requires grad"),
-    "dropout out of range": (qkv, {"dropout_p": 1.5}, ValueError, r"dropout_p must be in \[0, 1\)"),
-    "dropout": (qkv, {"dropout_p": 0.1}, NotImplementedError, r"dropout_p=0\.1"),
-    "attn probs": (qkv, {"return_attn_probs": True}, NotImplementedError, r"return_attn_probs=True"),
+    "dropout out of range": (qkv, {"dropout_p": 1.5}, ValueError, r"dropout_p must be in \[0, 1\).*got 1\.5"),
+    "dropout 1": (qkv, {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\).*got 1\.0"),
+    "negative dropout": (qkv, {"dropout_p": -0.1}, ValueError, r"dropout_p must be in \[0, 1\).*got -0\.1"),
+    "nan dropout": (qkv, {"dropout_p": math.nan}, ValueError, r"dropout_p must be finite"),
+    "string dropout": (qkv, {"dropout_p": "0.1"}, TypeError, r"dropout_p must be a real number"),
+    "attn probs not bool": (qkv, {"return_attn_probs": 1}, TypeError, r"return_attn_probs must be a bool"),
 }
 
 
@@ -79,7 +82,7 @@ SDPA_BAD_INPUTS = {
     "mask shape": (_sdpa_qkv, {"attn_mask": torch.ones(5, 6, dtype=torch.bool)}, ValueError, r"attn_mask has shape \(5, 6\), which does not broadcast"),
     "mask and causal": (_sdpa_qkv, {"attn_mask": torch.ones(5, 7, dtype=torch.bool), "is_causal": True}, ValueError, r"mutually exclusive"),
     "mask requires grad": (_sdpa_qkv, {"attn_mask": torch.zeros(5, 7, requires_grad=True)}, ValueError, r"attn_mask requires grad"),
-    "dropout": (_sdpa_qkv, {"dropout_p": 0.5}, NotImplementedError, r"dropout_p=0\.5"),
+    "dropout out of range": (_sdpa_qkv, {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
     "scale type": (_sdpa_qkv, {"scale": "0.1"}, TypeError, r"scale must be a real number"),
     "is_causal type": (_sdpa_qkv, {"is_causal": None}, TypeError, r"is_causal must be a bool"),
 }

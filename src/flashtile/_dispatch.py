@@ -102,11 +102,12 @@ class TorchBackend:
                 f"({masked} with an element mask)")
 
     def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None,
-                learnable_sink=None):
+                learnable_sink=None, rng_state=None):
         if problem.varlen:
             return torch_impl.varlen_attention_forward(q, k, v, alibi_slopes, problem, tiles, cu_seqlens_q,
-                                                       cu_seqlens_k, learnable_sink)
-        return torch_impl.attention_forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, learnable_sink)
+                                                       cu_seqlens_k, learnable_sink, rng_state)
+        return torch_impl.attention_forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, learnable_sink,
+                                            rng_state)
 
     def describe_decode(self, call, tiles) -> str:
         splits = max(1, call.num_splits)
@@ -120,13 +121,14 @@ class TorchBackend:
             return kvcache.attention_over_cache(call, tiles, max(1, num_splits))  # splitting adds no parallelism here
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
-                 cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None, rng_state=None):
         """dq, dk, dv and the sink's gradient (None without a sink)."""
         if problem.varlen:
             return torch_impl.varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes,
-                                                        problem, tiles, cu_seqlens_q, cu_seqlens_k, learnable_sink)
+                                                        problem, tiles, cu_seqlens_q, cu_seqlens_k, learnable_sink,
+                                                        rng_state)
         return torch_impl.attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes,
-                                             attn_mask, problem, tiles, learnable_sink)
+                                             attn_mask, problem, tiles, learnable_sink, rng_state)
 
 
 @functools.cache
@@ -304,10 +306,10 @@ class TritonBackend:
                 f"({masked} with an element mask)")
 
     def forward(self, q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q=None, cu_seqlens_k=None,
-                learnable_sink=None):
+                learnable_sink=None, rng_state=None):
         with on_device(q.device):
             return _triton_launch().forward(q, k, v, alibi_slopes, attn_mask, problem, tiles, cu_seqlens_q,
-                                            cu_seqlens_k, learnable_sink)
+                                            cu_seqlens_k, learnable_sink, rng_state)
 
     def describe_decode(self, call, tiles) -> str:
         return _triton_launch().decode_geometry(call.problem, call.page_size, call.num_splits).describe()
@@ -317,11 +319,11 @@ class TritonBackend:
             return _triton_launch().decode(call, num_splits)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
-                 cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None, rng_state=None):
         """dq, dk, dv and the sink's gradient (None without a sink)."""
         with on_device(q.device):
             return _triton_launch().backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask,
-                                             problem, tiles, cu_seqlens_q, cu_seqlens_k, learnable_sink)
+                                             problem, tiles, cu_seqlens_q, cu_seqlens_k, learnable_sink, rng_state)
 
 
 @functools.lru_cache(maxsize=256)

@@ -101,7 +101,7 @@ def unserved_reason(name: str, problem: AttentionProblem, tiles: triton_configs.
         return "KV-cache calls (flash_attn_with_kvcache) are the decode schedule's"
     if name == "fa1":
         served = ("softcap", p.softcap > 0), ("ALiBi", p.has_alibi), ("an attn_mask", p.mask_kind is not None), \
-            ("packed variable-length batches", p.varlen)
+            ("packed variable-length batches", p.varlen), ("dropout", p.dropout_p > 0)
         unserved = [what for what, present in served if present]
         return f"its kernel (fwd_fa1.py) does not take {', '.join(unserved)}" if unserved else ""
     if name == "fa3":

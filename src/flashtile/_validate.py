@@ -31,7 +31,9 @@ class AttentionProblem:
         (window_right < 0 or j <= i + diagonal_offset + window_right),
     where diagonal_offset is seqlen_k - seqlen_q for bottom-right alignment (flash-attn) and 0 for
     top-left alignment (torch SDPA). Scores are softmax_scale * q·k, then softcapped, then ALiBi
-    (-slope * |i + diagonal_offset - j|) and the user's attn_mask are applied.
+    (-slope * |i + diagonal_offset - j|) and the user's attn_mask are applied. With dropout_p > 0 the
+    normalised probabilities are dropped with probability dropout_p and the kept ones scaled by
+    1 / (1 - dropout_p) (flashtile._dropout); the lse is that of the scores.
     """
 
     batch: int
@@ -61,6 +63,8 @@ class AttentionProblem:
     # a learnable sink (learnable_sink): one logit per query head that joins every row's softmax denominator
     # without a value, so the lse includes it and a row that sees no key gets out 0 and lse = the sink
     has_sink: bool = False
+    # attention dropout on the probabilities, in [0, 1); each call draws its own Philox (seed, offset)
+    dropout_p: float = 0.0
 
     @property
     def group_size(self) -> int:
@@ -88,6 +92,8 @@ class AttentionProblem:
             parts.append(f"{self.mask_kind} attn_mask")
         if self.has_sink:
             parts.append("learnable sink (one logit per query head in every row's softmax denominator)")
+        if self.dropout_p > 0:
+            parts.append(f"dropout {self.dropout_p:g} (Philox keep-mask, regenerated in the backward)")
         return ", ".join(parts)
 
 
@@ -152,14 +158,12 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _check_dropout(dropout_p: object) -> None:
+def _check_dropout(dropout_p: object) -> float:
     p = _require_real("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    if p > 0.0:
-        raise NotImplementedError(
-            f"dropout_p={p}: attention dropout is not implemented in flashtile yet; pass dropout_p=0.0 "
-            "(at evaluation time dropout must be 0 anyway)")
+        raise ValueError(f"dropout_p must be in [0, 1) (the probability of dropping an attention probability), "
+                         f"got {p}")
+    return p
 
 
 def _check_scale(scale: object, name: str, headdim: int) -> float:
@@ -295,19 +299,17 @@ def _check_softcap(softcap: object) -> float:
 
 
 def _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
-                         return_lse, headdim) -> tuple[float, int, int, float]:
-    """The options flash_attn_func and flash_attn_varlen_func share: returns (scale, left, right, softcap)."""
-    _check_dropout(dropout_p)
+                         return_lse, headdim) -> tuple[float, int, int, float, float]:
+    """The options flash_attn_func and flash_attn_varlen_func share: returns (scale, left, right, softcap,
+    dropout_p)."""
+    dropout = _check_dropout(dropout_p)
     _require_bool("causal", causal)
     _require_bool("deterministic", deterministic)
     _require_bool("return_lse", return_lse)
-    if _require_bool("return_attn_probs", return_attn_probs):
-        raise NotImplementedError(
-            "return_attn_probs=True would materialise the seqlen_q x seqlen_k probability matrix, which "
-            "flashtile never builds; use flashtile.reference for inspection, or return_lse=True")
+    _require_bool("return_attn_probs", return_attn_probs)
     scale = _check_scale(softmax_scale, "softmax_scale", headdim)
     left, right = _check_window(window_size, causal)
-    return scale, left, right, _check_softcap(softcap)
+    return scale, left, right, _check_softcap(softcap), dropout
 
 
 def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -316,8 +318,8 @@ def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size
     _check_flash_qkv(q, k, v, ("batch", "seqlen", "nheads", "headdim"))
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k, headdim_v = k.shape[1], k.shape[2], v.shape[3]
-    scale, left, right, cap = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
-                                                   deterministic, return_attn_probs, return_lse, headdim)
+    scale, left, right, cap, dropout = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
+                                                            deterministic, return_attn_probs, return_lse, headdim)
     slopes = _check_alibi(alibi_slopes, batch, nheads, q.device)
     sink = _check_sink(learnable_sink, nheads, q.dtype, q.device)
 
@@ -325,7 +327,7 @@ def prepare_flash_attn(q, k, v, *, dropout_p, softmax_scale, causal, window_size
         batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         headdim=headdim, headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale,
         window_left=left, window_right=right, diagonal_offset=seqlen_k - seqlen_q, alignment="bottom-right", softcap=cap,
-        has_alibi=slopes is not None, mask_kind=None, has_sink=sink is not None)
+        has_alibi=slopes is not None, mask_kind=None, has_sink=sink is not None, dropout_p=dropout)
     return PreparedCall(*(unit_last_stride(t) for t in (q, k, v)), alibi_slopes=slopes, attn_mask=None, problem=problem,
                         learnable_sink=sink)
 
@@ -383,15 +385,15 @@ def prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          f"they must have the same length")
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    scale, left, right, cap = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
-                                                   deterministic, return_attn_probs, return_lse, headdim)
+    scale, left, right, cap, dropout = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
+                                                            deterministic, return_attn_probs, return_lse, headdim)
     slopes = _check_alibi(alibi_slopes, nseq, nheads, q.device, batch_name="nseq")
     sink = _check_sink(learnable_sink, nheads, q.dtype, q.device)
     problem = AttentionProblem(
         batch=nseq, nheads=nheads, nheads_k=nheads_k, seqlen_q=max_q, seqlen_k=max_k, headdim=headdim,
         headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
         window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap,
-        has_alibi=slopes is not None, mask_kind=None, varlen=True, has_sink=sink is not None)
+        has_alibi=slopes is not None, mask_kind=None, varlen=True, has_sink=sink is not None, dropout_p=dropout)
     packed = (unit_last_stride(t).unsqueeze(0) for t in (q, k, v))
     # the kernels index cu_seqlens as a contiguous array; a strided view is copied (nseq + 1 ints)
     return PreparedCall(*packed, alibi_slopes=slopes, attn_mask=None, problem=problem,
@@ -433,7 +435,7 @@ def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
     _check_qkv_dtypes_devices(("query", "key", "value"), (query, key, value))
     _require_bool("is_causal", is_causal)
     _require_bool("enable_gqa", enable_gqa)
-    _check_dropout(dropout_p)
+    dropout = _check_dropout(dropout_p)
 
     rank = query.dim()
     out_shape = tuple(query.shape[:-1]) + (value.shape[-1],)
@@ -472,7 +474,7 @@ def prepare_sdpa(query, key, value, *, attn_mask, dropout_p, is_causal, scale, e
         headdim=headdim, headdim_v=headdim_v, dtype=query.dtype, device=query.device,
         softmax_scale=softmax_scale, window_left=-1, window_right=0 if is_causal else -1,
         diagonal_offset=0, alignment="top-left", softcap=0.0, has_alibi=False,
-        mask_kind=None if mask is None else ("bool" if mask.dtype == torch.bool else "additive"))
+        mask_kind=None if mask is None else ("bool" if mask.dtype == torch.bool else "additive"), dropout_p=dropout)
     bshd = [unit_last_stride(t).reshape(batch, *t.shape[-3:]).transpose(1, 2) for t in (query, key, value)]
     return PreparedCall(*bshd, alibi_slopes=None, attn_mask=mask, problem=problem), out_shape
 

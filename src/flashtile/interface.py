@@ -41,13 +41,14 @@ from torch import Tensor
 from . import _dispatch, kvcache
 from ._validate import prepare_flash_attn, prepare_flash_attn_varlen, prepare_kvcache, prepare_sdpa
 from .autograd import attention
+from .torch_impl import attention_probabilities
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Tensor | None = None, deterministic: bool = False, return_attn_probs: bool = False,
                     *, return_lse: bool = False,
-                    learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                    learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
     """Exact attention in linear memory, with flash-attn's signature and layout.
 
     Args:
@@ -56,7 +57,13 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
             (grouped-query / multi-query attention: query head h uses K/V head h // (nheads // nheads_k),
             without copying K or V).
         v: (batch, seqlen_k, nheads_k, headdim_v); headdim and headdim_v may differ, each 1..256.
-        dropout_p: must be 0.0 (dropout is not implemented; > 0 raises NotImplementedError).
+        dropout_p: attention dropout, in [0, 1): out = (P * Z / (1 - dropout_p)) v with P = softmax(scores) and Z a
+            keep-mask, each probability kept with probability 1 - dropout_p (the lse is that of the scores, without
+            dropout). Z comes from a Philox stream seeded from torch's default generator of the tensors' device, so
+            torch.manual_seed reproduces a call and consecutive calls draw fresh masks; Z[b, h, i, j] depends on the
+            seed, the offset and the position alone (not on tiles, schedules or backends), and the backward
+            regenerates it (nothing of size seqlen_q x seqlen_k is stored). Applied whenever dropout_p > 0, as in
+            flash-attn: pass 0.0 at evaluation time.
         softmax_scale: multiplier of q.k; None means 1 / sqrt(headdim).
         causal: mask keys after the query's diagonal, bottom-right aligned (see the module docstring).
         window_size: (left, right) sliding window around the diagonal; -1 = unbounded. A tuple or list of
@@ -66,8 +73,13 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         softcap: if > 0, scores become softcap * tanh(score / softcap) before masking and ALiBi.
         alibi_slopes: (nheads,) or (batch, nheads) floating tensor; subtracts
             slope * |i + seqlen_k - seqlen_q - j| from each score (after softcap). Not differentiated.
-        deterministic: accepted for compatibility; every flashtile backend is deterministic here.
-        return_attn_probs: must be False (True would materialise the probabilities; raises NotImplementedError).
+        deterministic: accepted for compatibility; every flashtile backend is deterministic here (with dropout too:
+            the same forward's backward gives the same bits).
+        return_attn_probs: return (out, lse, S_dmask), as flash-attn, for testing: S_dmask (batch, nheads,
+            seqlen_q, seqlen_k) in q's dtype holds the probabilities P = softmax(scores) before dropout's
+            scaling, with the entries dropout dropped negated, so torch.signbit(S_dmask) is the drop mask (a dropped
+            0 is -0.0) and S_dmask.abs() is P. It is materialised (by a dense pass of the torch backend's code over
+            the same Philox stream) only when dropout_p > 0; with dropout_p = 0 it is None, as in flash-attn.
         return_lse: also return the log-sum-exp of each row's final scores.
         learnable_sink: (nheads,) float32 or q's dtype, on q's device, or None: one logit per query head (GQA:
             per query head, not per K/V head) joining every row's softmax denominator without a value, in
@@ -78,14 +90,15 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) where
-        lse (batch, nheads, seqlen_q) is float32 (natural log; it includes the sink's term). A row that sees
-        no key (fully masked, or seqlen_k == 0) gets out = 0, lse = -inf and zero gradients; with a sink,
-        out = 0 and lse = the sink (finite), and its gradient reaches the sink only through lse. Gradients flow
-        to q, k, v and learnable_sink (and through lse when it is used).
+        lse (batch, nheads, seqlen_q) is float32 (natural log; it includes the sink's term); with
+        return_attn_probs=True, (out, lse, S_dmask) (with a sink, S_dmask's rows sum to less than 1: the sink's
+        share is in the denominator). A row that sees no key (fully masked, or seqlen_k == 0) gets out = 0,
+        lse = -inf and zero gradients; with a sink, out = 0 and lse = the sink (finite), and its gradient reaches the
+        sink only through lse. Gradients flow to q, k, v and learnable_sink (and through lse when it is used).
 
     Raises:
-        TypeError / ValueError naming the argument and the rule for any invalid input;
-        NotImplementedError for dropout_p > 0 or return_attn_probs=True;
+        TypeError / ValueError naming the argument and the rule for any invalid input (dropout_p outside [0, 1)
+        raises ValueError); ValueError for dropout_p > 0 while a CUDA graph is captured;
         BackendUnavailableError when the requested backend (use_backend / FLASHTILE_BACKEND) cannot serve the call;
         KernelCompileError, naming the kernel and its tile, when Triton cannot compile a kernel for the call.
     """
@@ -93,6 +106,10 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                               deterministic=deterministic, return_attn_probs=return_attn_probs, return_lse=return_lse,
                               learnable_sink=learnable_sink)
+    if return_attn_probs:
+        out, lse, rng_state = attention(call, *_dispatch.resolve(call.problem), with_rng_state=True)
+        probs = attention_probabilities(call, rng_state) if call.problem.dropout_p > 0 else None
+        return out, lse, probs
     out, lse = attention(call, *_dispatch.resolve(call.problem))
     return (out, lse) if return_lse else out
 
@@ -103,7 +120,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Tensor | None = None, deterministic: bool = False,
                            return_attn_probs: bool = False, *, return_lse: bool = False,
-                           learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                           learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
     """Attention over packed variable-length sequences, with flash-attn's signature (no padding).
 
     Args:
@@ -118,26 +135,32 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             value); results never depend on them, and nothing is read back from the GPU to check them.
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
         return_lse: as in `flash_attn_func`, applied to each sequence on its own; causal and windows are
-            bottom-right aligned per sequence (a sequence's last query row sees its last key).
+            bottom-right aligned per sequence (a sequence's last query row sees its last key). Dropout's keep-mask
+            of sequence s is that of batch entry s in flash_attn_func (positions count from the sequence's start).
         alibi_slopes: (nheads,) or (nseq, nheads).
         learnable_sink: (nheads,) or None, as in `flash_attn_func`: the same logits for every sequence.
 
     Returns:
         out (total_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) with lse
-        (nheads, total_q) float32. Rows that see no key (including every row of a sequence with no keys)
-        get out 0, lse -inf (with a sink: the sink) and zero gradients for q, k, v; keys of a sequence with no
-        queries get zero gradients.
+        (nheads, total_q) float32; with return_attn_probs=True, (out, lse, S_dmask), S_dmask (nseq, nheads,
+        max_seqlen_q, max_seqlen_k) with sequence s's probabilities at S_dmask[s, :, :len_q, :len_k] (each max at
+        least the longest sequence), or None with dropout_p = 0. Rows that see no key (including every row of a
+        sequence with no keys) get out 0, lse -inf (with a sink: the sink) and zero gradients for q, k, v; keys of a
+        sequence with no queries get zero gradients.
         The work is proportional to each sequence's own length (programs of short sequences exit early).
 
     Raises:
-        TypeError / ValueError naming the argument and the rule; NotImplementedError for dropout_p > 0 or
-        return_attn_probs=True; BackendUnavailableError as for flash_attn_func.
+        TypeError / ValueError naming the argument and the rule; BackendUnavailableError as for flash_attn_func.
     """
     call = prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                      deterministic=deterministic, return_attn_probs=return_attn_probs,
                                      return_lse=return_lse, learnable_sink=learnable_sink)
+    if return_attn_probs:
+        out, lse, rng_state = attention(call, *_dispatch.resolve(call.problem), with_rng_state=True)
+        probs = attention_probabilities(call, rng_state) if call.problem.dropout_p > 0 else None
+        return out.squeeze(0), lse.squeeze(0), probs
     out, lse = attention(call, *_dispatch.resolve(call.problem))
     # squeeze, not [0]: a view whose backward is a view too (indexing's backward filled a zero tensor and copied the
     # gradient into it, 0.18 ms of a 16 ms packed fwd+bwd step on an H200)
@@ -259,7 +282,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             one floating dtype, one device. Hq == Hk unless enable_gqa=True (then Hq % Hk == 0).
         attn_mask: optional, broadcastable to (..., Hq, L, S): bool (True = attend, as in torch) or
             floating (added to the scores). Mutually exclusive with is_causal.
-        dropout_p: must be 0.0 (raises NotImplementedError otherwise).
+        dropout_p: attention dropout in [0, 1), as in torch (applied whenever > 0): flashtile's Philox keep-mask
+            (see flash_attn_func), so the dropped entries differ from torch's own.
         is_causal: top-left aligned causal mask: query i attends keys j <= i.
         scale: multiplier of q.k; None means 1 / sqrt(E).
         enable_gqa: allow Hq to be a multiple of Hk.
@@ -270,7 +294,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
 
     Raises:
         TypeError / ValueError for invalid inputs (naming the argument and the rule),
-        NotImplementedError for dropout_p > 0, BackendUnavailableError as for flash_attn_func.
+        BackendUnavailableError as for flash_attn_func.
     """
     call, out_shape = prepare_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -39,8 +39,7 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale
             views qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2] (read in place, not copied), so seqlen_q = seqlen_k,
             nheads_k = nheads and headdim_v = headdim (for GQA use `flash_attn_kvpacked_func`).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, return_lse, learnable_sink: as in `flash_attn_func` (dropout_p must be 0.0 and
-            return_attn_probs False there).
+        return_attn_probs, return_lse, learnable_sink: as in `flash_attn_func` (dropout included: passed through).
 
     Returns:
         out (batch, seqlen, nheads, headdim) in qkv's dtype; with return_lse=True, (out, lse) with lse

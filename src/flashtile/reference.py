@@ -2,10 +2,11 @@
 
 Deliberately the obvious algorithm and independent of the tiled code (it shares no helper with
 it): build the whole seqlen_q x seqlen_k score matrix in float64, apply softcap, ALiBi and masks,
-take the softmax, multiply by V. A learnable sink is one more column of the score matrix, holding
-its head's logit, whose probability multiplies no value. It is differentiable with ordinary autograd
-(and NaN-free for fully masked rows), so tests take gradients of it too. Use it for checking, never
-for speed: it needs O(seqlen_q * seqlen_k) memory per head.
+take the softmax, apply a given dropout keep-mask (the caller supplies it; the oracle has no random
+generator of its own), multiply by V. A learnable sink is one more column of the score matrix, holding
+its head's logit, whose probability multiplies no value (and is never dropped). It is differentiable with
+ordinary autograd (and NaN-free for fully masked rows), so tests take gradients of it too. Use it for
+checking, never for speed: it needs O(seqlen_q * seqlen_k) memory per head.
 
 rotary_reference is the oracle of the KV cache's rotary embeddings: a multiplication by e^(i angle) of complex
 numbers made of pairs of dims.
@@ -26,7 +27,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float
                         window_size: tuple[int, int] = (-1, -1), diagonal_offset: int = 0, softcap: float = 0.0,
                         alibi_slopes: Tensor | None = None, attn_mask: Tensor | None = None,
                         learnable_sink: Tensor | None = None,
-                        dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+                        dtype: torch.dtype = torch.float64, dropout_mask: Tensor | None = None,
+                        dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """Dense float64 attention in the (batch, nheads, seqlen, headdim) layout.
 
     q (B, H, Sq, D), k (B, Hk, Sk, D), v (B, Hk, Sk, Dv) with H % Hk == 0 (query head h uses K/V
@@ -36,6 +38,9 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float
     - slope[b, h] * |i + diagonal_offset - j| for alibi_slopes (H,) or (B, H), then attn_mask
     (bool, True = attend; or float, added), broadcastable to (B, H, Sq, Sk). learnable_sink (H,): the
     logit of an extra key column of every row of head h that has no value (natural log, not scaled).
+    Dropout: dropout_mask, a bool keep-mask broadcastable to (B, H, Sq, Sk) (True = kept), multiplies the
+    normalised probabilities, the kept ones scaled by 1 / (1 - dropout_p): out = (P * mask / (1 - p)) V. The lse
+    is that of the scores, unaffected (with a sink, P's denominator includes the sink's term).
 
     Returns (out (B, H, Sq, Dv), lse (B, H, Sq)), both in `dtype` (float64: the oracle; the input
     dtype gives the "same-dtype eager" baseline of the low-precision test rule). A row that sees no
@@ -85,7 +90,10 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float
     total = weights.sum(dim=-1, keepdim=True)
     has_keys = total > 0
     probs = weights / torch.where(has_keys, total, torch.ones_like(total))
-    out = probs[..., :seqlen_k] @ v
+    probs = probs[..., :seqlen_k]  # the sink's column multiplies no value
+    if dropout_mask is not None:
+        probs = probs * dropout_mask.to(dtype) / (1.0 - dropout_p)
+    out = probs @ v
     lse = torch.where(has_keys, row_max + torch.log(torch.where(has_keys, total, torch.ones_like(total))),
                       torch.full_like(total, float("-inf")))
     return out, lse.squeeze(-1)
@@ -94,10 +102,14 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float
 def flash_attn_reference(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None, causal: bool = False,
                          window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                          alibi_slopes: Tensor | None = None, dtype: torch.dtype = torch.float64,
-                         learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                         learnable_sink: Tensor | None = None, *, dropout_mask: Tensor | None = None,
+                         dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """Oracle for `flashtile.flash_attn_func`: flash-attn layout, bottom-right alignment.
 
-    q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]); learnable_sink (nheads,).
+    q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]); learnable_sink (nheads,);
+    dropout_mask: a bool keep-mask (batch, nheads, seqlen_q, seqlen_k) applied with dropout_p as in
+    `attention_reference` (for a call's own mask: ~torch.signbit of its S_dmask, or
+    flashtile._dropout.dense_keep_mask).
     Returns (out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) in `dtype`.
     """
     left, right = window_size
@@ -106,7 +118,8 @@ def flash_attn_reference(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float |
     out, lse = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                    softmax_scale=softmax_scale, window_size=(left, right),
                                    diagonal_offset=k.shape[1] - q.shape[1], softcap=softcap,
-                                   alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dtype=dtype)
+                                   alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dtype=dtype,
+                                   dropout_mask=dropout_mask, dropout_p=dropout_p)
     return out.transpose(1, 2), lse
 
 
@@ -114,13 +127,15 @@ def flash_attn_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: T
                                 softmax_scale: float | None = None, causal: bool = False,
                                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                 alibi_slopes: Tensor | None = None, dtype: torch.dtype = torch.float64,
-                                learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                                learnable_sink: Tensor | None = None, *, dropout_mask: Tensor | None = None,
+                                dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """Oracle for `flashtile.flash_attn_varlen_func`: each packed sequence on its own, bottom-right aligned.
 
     q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]), cu_seqlens_* (nseq + 1,);
-    alibi_slopes (nheads,) or (nseq, nheads); learnable_sink (nheads,). Returns (out (total_q, nheads,
-    headdim_v), lse (nheads, total_q)) in `dtype`; rows of a sequence with no keys get out 0 and lse -inf
-    (with a sink: lse = the sink).
+    alibi_slopes (nheads,) or (nseq, nheads); learnable_sink (nheads,); dropout_mask (nseq, nheads, >= max len_q,
+    >= max len_k), sequence i's keep-mask at dropout_mask[i, :, :len_q, :len_k], applied with dropout_p. Returns
+    (out (total_q, nheads, headdim_v), lse (nheads, total_q)) in `dtype`; rows of a sequence with no keys get out 0
+    and lse -inf (with a sink: lse = the sink).
     """
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
@@ -129,9 +144,13 @@ def flash_attn_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: T
         slopes = alibi_slopes
         if alibi_slopes is not None and alibi_slopes.dim() == 2:
             slopes = alibi_slopes[i:i + 1]
+        mask = None
+        if dropout_mask is not None:
+            mask = dropout_mask[i:i + 1, :, :rows_q.stop - rows_q.start, :rows_k.stop - rows_k.start]
         out, lse = flash_attn_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale=softmax_scale,
                                         causal=causal, window_size=window_size, softcap=softcap,
-                                        alibi_slopes=slopes, dtype=dtype, learnable_sink=learnable_sink)
+                                        alibi_slopes=slopes, dtype=dtype, learnable_sink=learnable_sink,
+                                        dropout_mask=mask, dropout_p=dropout_p)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:  # no sequences: empty results, still connected to q for autograd

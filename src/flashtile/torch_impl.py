@@ -21,6 +21,11 @@ the sink's gradient comes from delta and lse (flashtile._sink).
 Memory is O(N * d): the largest seqlen-by-seqlen object is one (rows x block_k) tile. Arithmetic
 is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs. The working copies of K and V are
 laid out (batch * nheads_k, seqlen_k, headdim) in the accumulation dtype.
+
+Dropout (problem.dropout_p > 0, with the call's rng_state): each tile's keep-mask is generated from the Philox stream
+by position (flashtile._dropout, the bits the Triton kernels use); the row sums take every probability, the
+accumulator only the kept ones, and the finished rows are scaled by 1 / (1 - p). The backward regenerates the
+masks: dV takes the kept probabilities, dP = dO V^T only on the kept entries (scaled), delta is unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import _dropout
 from ._geometry import key_blocks, query_blocks
 from ._sink import sink_gradient
 from ._validate import AttentionProblem
@@ -185,6 +191,16 @@ def _initial_row_stats(ops: _Operands, learnable_sink: torch.Tensor | None,
     return row_max, torch.ones(shape, dtype=ops.acc, device=p.device)
 
 
+def _keep_tile(ops: _Operands, rng_state: torch.Tensor, first_batch: int, i0: int, i1: int, j0: int,
+               j1: int) -> torch.Tensor:
+    """The dropout keep-mask of rows [i0, i1) against keys [j0, j1) in the tile layout (batch*nheads_k, group*n, m)
+    (bool), batch entries counted from first_batch (a packed sequence's index)."""
+    p = ops.problem
+    heads = torch.arange(first_batch * p.nheads, (first_batch + p.batch) * p.nheads, dtype=torch.int64)
+    keep = _dropout.keep_mask(rng_state, p.dropout_p, heads, i0, i1, j0, j1, p.device)
+    return keep.view(ops.batch_heads, p.group_size * (i1 - i0), j1 - j0)  # (b, h) = (b, hk, g) in order
+
+
 def _in_the_inputs_dtype(function):
     """Run a backend entry point with autocast off on its tensors' device: the inputs' dtype sets the precision, as
     in the Triton kernels (under autocast the tiles' matmuls would otherwise run in autocast's dtype against
@@ -198,18 +214,22 @@ def _in_the_inputs_dtype(function):
 
 @_in_the_inputs_dtype
 def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TorchTiles,
-                      learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      learnable_sink: torch.Tensor | None = None, rng_state=None,
+                      first_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward pass.
 
     q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
     v (batch, seqlen_k, nheads_k, headdim_v), any strides; alibi_slopes (batch or 1, nheads) or None;
     attn_mask broadcast to (batch, nheads, seqlen_q, seqlen_k) or None; learnable_sink (nheads,) or None.
+    rng_state: the call's dropout (seed, offset) when problem.dropout_p > 0; first_batch: the batch index of entry 0
+    in the dropout stream.
     Returns out (batch, seqlen_q, nheads, headdim_v), contiguous, in q's dtype, and lse
     (batch, nheads, seqlen_q), contiguous, in the accumulation dtype: for rows that see no key, out = 0 and
     lse = -inf (with a sink: lse = the sink).
     """
     p = problem
     ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
+    dropout = p.dropout_p > 0
     out = torch.empty(p.batch, p.seqlen_q, p.nheads, p.headdim_v, dtype=p.dtype, device=p.device)
     lse = torch.empty(p.batch, p.seqlen_q, p.nheads, dtype=ops.acc, device=p.device)
     for i0 in range(0, p.seqlen_q, tiles.block_q):
@@ -227,10 +247,14 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
             # rescale what was accumulated against the old max (factor 0 on the first visible block)
             correction = (row_max - shift).exp_()
             row_sum.mul_(correction).add_(probs.sum(dim=-1))
+            if dropout:  # the row sum takes every probability, the output only the kept ones
+                probs.masked_fill_(~_keep_tile(ops, rng_state, first_batch, i0, i1, j0, j1), 0.0)
             acc.mul_(correction.unsqueeze(-1)).baddbmm_(probs, ops.v[:, j0:j1])
             row_max = new_max
         seen = row_sum > 0
         acc.div_(torch.where(seen, row_sum, 1.0).unsqueeze(-1))
+        if dropout:
+            acc.mul_(_dropout.keep_scale(p.dropout_p))
         out[:, i0:i1] = _rows_to_block(ops, acc, i0, i1)
         block_lse = torch.where(seen, row_max + torch.log(row_sum), NEG_INF)
         lse[:, i0:i1] = _rows_to_block(ops, block_lse.unsqueeze(-1), i0, i1).squeeze(-1)
@@ -239,18 +263,21 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProble
 
 @_in_the_inputs_dtype
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask,
-                       problem: AttentionProblem, tiles: TorchTiles, learnable_sink: torch.Tensor | None = None):
+                       problem: AttentionProblem, tiles: TorchTiles, learnable_sink: torch.Tensor | None = None,
+                       rng_state=None, first_batch: int = 0):
     """Recompute-based backward pass: returns (dq, dk, dv), contiguous, shaped like q, k, v, in their dtype, and
     the sink's gradient (shaped like learnable_sink; None without a sink).
 
     Layouts as in attention_forward; grad_out is shaped like out, grad_lse like lse or None (zero);
-    either may have any strides, stride 0 included.
+    either may have any strides, stride 0 included. rng_state, first_batch: the forward's.
     Schedule (FA2 backward): the outer loop walks key blocks, accumulating dK and dV for the block
     locally; the inner loop visits the query blocks that can see it, recomputing P = exp(S - lse)
     and dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse (since d lse / d s = P), and
-    accumulating dQ per query block.
+    accumulating dQ per query block. With dropout, dP = dO V^T * Z / (1 - p) and dV = (P * Z / (1 - p))^T dO for
+    the regenerated keep-mask Z; delta is unchanged (sum_j P_ij dP_ij = rowsum(dO * O)_i still).
     """
     p = problem
+    dropout = p.dropout_p > 0
     ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
     b, hk, g = p.batch, p.nheads_k, p.group_size
     grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
@@ -303,7 +330,15 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn
             if not fold_lse:
                 scores.add_(neg_lse_blocks[index])
             probs = scores.exp_()
-            grad_scores = torch.bmm(do_aug_blocks[index], v_t_block[:, :, trim]).mul_(probs)  # P * (dP - delta)
+            if dropout:
+                # dP on the kept entries (scaled), then P * (dP - delta); dV below takes the kept probabilities
+                kept = _keep_tile(ops, rng_state, first_batch, i0, i1, k0, k1).to(ops.acc)
+                kept.mul_(_dropout.keep_scale(p.dropout_p))
+                grad_scores = torch.bmm(do_blocks[index], v_t_block[:, :p.headdim_v, trim]).mul_(kept)
+                grad_scores.add_(do_aug_blocks[index][..., p.headdim_v:]).mul_(probs)
+                probs = probs.mul_(kept)
+            else:
+                grad_scores = torch.bmm(do_aug_blocks[index], v_t_block[:, :, trim]).mul_(probs)  # P * (dP - delta)
             if tanh is not None:  # d(c * tanh(x / c)) / dx = 1 - tanh^2
                 grad_scores.mul_(1.0 - tanh * tanh)
             dq_blocks[index].baddbmm_(grad_scores, k_block[:, trim])
@@ -345,7 +380,7 @@ def sequence_slopes(alibi_slopes: torch.Tensor | None, index: int) -> torch.Tens
 @_in_the_inputs_dtype
 def varlen_attention_forward(q, k, v, alibi_slopes, problem: AttentionProblem, tiles: TorchTiles,
                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                             learnable_sink: torch.Tensor | None = None):
+                             learnable_sink: torch.Tensor | None = None, rng_state=None):
     """Packed sequences, one dense tiled forward per sequence (work follows the real lengths).
 
     q (1, total_q, nheads, headdim), k / v (1, total_k, nheads_k, headdim[_v]); problem.batch is the
@@ -359,14 +394,14 @@ def varlen_attention_forward(q, k, v, alibi_slopes, problem: AttentionProblem, t
             continue
         out[:, rows_q], lse[:, :, rows_q] = attention_forward(
             q[:, rows_q], k[:, rows_k], v[:, rows_k], sequence_slopes(alibi_slopes, index), None, sequence, tiles,
-            learnable_sink)
+            learnable_sink, rng_state, index)
     return out, lse
 
 
 @_in_the_inputs_dtype
 def varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, problem: AttentionProblem,
                               tiles: TorchTiles, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                              learnable_sink: torch.Tensor | None = None):
+                              learnable_sink: torch.Tensor | None = None, rng_state=None):
     """Backward of varlen_attention_forward: (dq, dk, dv) in the packed layout, keys no query sees getting 0, and the
     sink's gradient summed over the sequences (None without a sink)."""
     dq = torch.zeros(q.shape, dtype=problem.dtype, device=problem.device)
@@ -379,7 +414,57 @@ def varlen_attention_backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slope
         dq[:, rows_q], dk[:, rows_k], dv[:, rows_k], sequence_dsink = attention_backward(
             grad_out[:, rows_q], None if grad_lse is None else grad_lse[:, :, rows_q], q[:, rows_q], k[:, rows_k],
             v[:, rows_k], out[:, rows_q], lse[:, :, rows_q], sequence_slopes(alibi_slopes, index), None, sequence,
-            tiles, None if learnable_sink is None else learnable_sink.to(problem.accumulation_dtype))
+            tiles, None if learnable_sink is None else learnable_sink.to(problem.accumulation_dtype), rng_state, index)
         if dsink is not None:
             dsink += sequence_dsink
     return dq, dk, dv, None if dsink is None else dsink.to(learnable_sink.dtype)
+
+
+def _dense_probabilities(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, rng_state,
+                         first_batch: int = 0, learnable_sink: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(S) of every (batch, head, query, key), (batch, nheads, seqlen_q, seqlen_k) in the accumulation dtype,
+    the entries the dropout keep-mask drops negated (see attention_probabilities); with a learnable sink its term is
+    in every row's denominator (the rows then sum to less than 1)."""
+    p = problem
+    ops = _prepare(q, k, v, alibi_slopes, attn_mask, p)
+    scores, _ = _score_tile(ops, _query_block(ops, 0, p.seqlen_q), ops.k_t, 0, p.seqlen_q, 0, p.seqlen_k, True)
+    # the sink's term (running max the sink, sum 1) or none (-inf, 0), as the forward starts every row
+    start_max, start_sum = _initial_row_stats(ops, learnable_sink, p.seqlen_q)
+    row_max = torch.maximum(start_max, scores.amax(dim=-1)) if p.seqlen_k else start_max
+    # a row that sees no key (and no sink) keeps max -inf: shift it by 0 so that exp gives 0, not NaN
+    shift = row_max.masked_fill(row_max == NEG_INF, 0.0)
+    probs = scores.sub_(shift.unsqueeze(-1)).exp_()
+    total = probs.sum(dim=-1) + start_sum * (start_max - shift).exp()
+    probs.div_(total.masked_fill_(total == 0, 1.0).unsqueeze(-1))
+    keep = _keep_tile(ops, rng_state, first_batch, 0, p.seqlen_q, 0, p.seqlen_k)
+    probs = torch.where(keep, probs, -probs)
+    return probs.view(p.batch, p.nheads, p.seqlen_q, p.seqlen_k)
+
+
+def attention_probabilities(call, rng_state: torch.Tensor) -> torch.Tensor:
+    """The attention probabilities of a call with dropout, as flash-attn's return_attn_probs gives them (for testing:
+    this materialises seqlen_q x seqlen_k per head). P = softmax(S), computed densely in the accumulation dtype from
+    the call's q, k and masks, before dropout's 1 / (1 - p) scaling, with the entries the call dropped negated:
+    torch.signbit(result) is the drop mask exactly (a dropped 0, past a causal edge say, is -0.0), and result.abs()
+    is P. In q's dtype, without gradient.
+
+    call: the PreparedCall; rng_state: its dropout (seed, offset). Returns (batch, nheads, seqlen_q, seqlen_k); for
+    packed sequences (nseq, nheads, max_seqlen_q, max_seqlen_k), each sequence's block at the top left, zeros
+    elsewhere (each max at least the longest sequence).
+    """
+    p = call.problem
+    with torch.no_grad():
+        if not p.varlen:
+            probs = _dense_probabilities(call.q, call.k, call.v, call.alibi_slopes, call.attn_mask, p, rng_state,
+                                         learnable_sink=call.learnable_sink)
+            return probs.to(p.dtype)
+        sequences = list(_sequences(p, call.cu_seqlens_q, call.cu_seqlens_k))
+        longest_q = max([p.seqlen_q] + [s.seqlen_q for *_, s in sequences])
+        longest_k = max([p.seqlen_k] + [s.seqlen_k for *_, s in sequences])
+        result = torch.zeros(p.batch, p.nheads, longest_q, longest_k, dtype=p.dtype, device=p.device)
+        for index, rows_q, rows_k, sequence in sequences:
+            probs = _dense_probabilities(call.q[:, rows_q], call.k[:, rows_k], call.v[:, rows_k],
+                                         sequence_slopes(call.alibi_slopes, index), None, sequence, rng_state, index,
+                                         call.learnable_sink)
+            result[index, :, :sequence.seqlen_q, :sequence.seqlen_k] = probs[0]
+        return result

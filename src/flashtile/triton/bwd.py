@@ -40,13 +40,19 @@ it 32% on an H200 (docs/compiler-workarounds.md); dense batches keep the fold.
 Both loops skip blocks outside the causal / window band and use the element mask only on blocks
 that straddle an edge (common.query_block_bounds / key_block_bounds). Softcap multiplies dS by the
 derivative of softcap * tanh(x / softcap), 1 - tanh^2; ALiBi and masks are constants.
+
+Dropout (HAS_DROPOUT) regenerates the forward's keep-mask Z by position (common.dropout_keep; nothing was stored).
+With out = (P * Z / (1 - p)) V: dV = (P * Z)^T dO / (1 - p) (the factor applied once, when dV is stored), the
+gradient of the probabilities is dP = dO V^T * Z / (1 - p), and dS = P * (dP - delta) with delta = rowsum(dO * O)
+- dlse unchanged, since sum_j P_ij dP_ij = sum_j P_ij Z_ij / (1 - p) (dO V^T)_ij = rowsum(dO * O)_i.
 """
 
 import triton
 import triton.language as tl
 
 from .common import (alibi_slope, descriptor_origin, exp2_of_scores, key_block_bounds, load_tile,
-                     program_coordinates, program_heads, query_block_bounds, scores, sequence_bounds)
+                     program_coordinates, program_heads, query_block_bounds, scores, sequence_bounds, dropout_keep,
+                     dropout_state)
 
 
 @triton.jit
@@ -106,7 +112,9 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, b32, h32, row0, L
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, VARLEN: tl.constexpr):
+                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, VARLEN: tl.constexpr,
+                 key0, dropout_seed, dropout_stream, dropout_row, dropout_threshold, dropout_scale,
+                 HAS_DROPOUT: tl.constexpr):
     # Tiles are transposed (keys as rows, queries as columns) so that P^T and dS^T come out of the
     # matmuls directly and only register tiles of Q and dO get transposed. q_src / do_src are pointers at the
     # sequence's row 0: MASKED ranges may run past the queries; the interior range never does, so its loads go
@@ -134,8 +142,18 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, b32, h32, row0, L
         # unscaled products (SCALE_IN_EXP2): one fused multiply-add per score also in masked tiles, where the
         # mask's select would sit between a separate multiply and the subtraction
         p_t = exp2_of_scores(s_t, lse2[None, :], score_scale, SCALE_IN_EXP2)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            # the keep-mask of keys [key0, key0 + BLOCK_N) against these queries, transposed like the tile; dV takes
+            # the kept probabilities (its 1 / (1 - p) comes when it is stored), dP the kept entries scaled
+            BLOCK_N: tl.constexpr = k.shape[0]
+            keep_t = tl.trans(dropout_keep(dropout_seed, dropout_stream, dropout_row, offs_m, key0, dropout_threshold,
+                                           BLOCK_N))
+            dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
             ds_t = ds_t * (1.0 - t_t * t_t)
@@ -154,8 +172,10 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                    VARLEN: tl.constexpr):
-    """dK and dV of keys [n0, n0 + BLOCK_N) of one (batch entry, K/V head); the pointers are at the entry's row 0."""
+                    VARLEN: tl.constexpr, RngState, dropout_row0, dropout_threshold, dropout_scale,
+                    HAS_DROPOUT: tl.constexpr):
+    """dK and dV of keys [n0, n0 + BLOCK_N) of one (batch entry, K/V head); the pointers are at the entry's row 0.
+    HAS_DROPOUT: query head h takes the keep-mask of dropout_row0 + h (dropout_row0 = b * nheads)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -170,6 +190,9 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
     lo, full_lo, full_hi, hi = query_block_bounds(n0, seqlen_q, seqlen_k, diagonal_offset, window_left,
                                                   window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     tma_b, tma_row0 = descriptor_origin(b, q_start, VARLEN)
+    dropout_seed, dropout_stream = 0, 0
+    if HAS_DROPOUT:
+        dropout_seed, dropout_stream = dropout_state(RngState)
     for g in range(0, group_size):
         h = hk * group_size + g
         q_src = Q + h * stride_qh
@@ -183,21 +206,26 @@ def _dkdv_key_block(n0, Q, K, V, dOut, q_desc, do_desc, Lse, Delta, dK, dV, Slop
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, VARLEN)
+                              USE_TMA, SCALE_IN_EXP2, VARLEN, n0, dropout_seed, dropout_stream, dropout_row0 + h,
+                              dropout_threshold, dropout_scale, HAS_DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
                               Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, VARLEN)
+                              USE_TMA, SCALE_IN_EXP2, VARLEN, n0, dropout_seed, dropout_stream, dropout_row0 + h,
+                              dropout_threshold, dropout_scale, HAS_DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_desc, do_desc, tma_b, h.to(tl.int32), tma_row0, Lse,
                               Delta, row_base, stride_qm, stride_dom,
                               mask_cols, stride_mask_m, offs_n, offs_d, offs_dv, full_hi, hi,
                               seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope, diagonal_offset,
                               window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True,
                               HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                              USE_TMA, SCALE_IN_EXP2, VARLEN)
+                              USE_TMA, SCALE_IN_EXP2, VARLEN, n0, dropout_seed, dropout_stream, dropout_row0 + h,
+                              dropout_threshold, dropout_scale, HAS_DROPOUT)
+    if HAS_DROPOUT:
+        dv = dv * dropout_scale  # the kept probabilities' 1 / (1 - p)
     tl.store(dK + hk * stride_dkh + cols * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(dK.dtype.element_ty), mask=key_ok[:, None] & (offs_d[None, :] < HEADDIM))
     tl.store(dV + hk * stride_dvh + cols * stride_dvn + offs_dv[None, :],
@@ -217,7 +245,8 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                  USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr):
+                  USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, RngState, nheads, dropout_threshold,
+                  dropout_scale, HAS_DROPOUT: tl.constexpr):
     """The dK/dV work of program pid_n of key_programs for (batch entry b, K/V head hk)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
         CuSeqlensQ, CuSeqlensK, b, seqlen_q, seqlen_k, diagonal_offset, VARLEN)
@@ -238,7 +267,8 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                             group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                             diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                             BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                            USE_TMA, SCALE_IN_EXP2, VARLEN)
+                            USE_TMA, SCALE_IN_EXP2, VARLEN, RngState, b * nheads, dropout_threshold, dropout_scale,
+                            HAS_DROPOUT)
     else:
         _dkdv_key_block(pid_n * BLOCK_N, q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, Lse, Delta, dk_ptr, dv_ptr,
                         Slopes, Mask, b, hk, q_start, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -247,12 +277,14 @@ def _dkdv_program(pid_n, key_programs, b, hk, Q, K, V, dOut, q_desc, do_desc, Ls
                         group_size, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out,
                         diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                         BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                        USE_TMA, SCALE_IN_EXP2, VARLEN)
+                        USE_TMA, SCALE_IN_EXP2, VARLEN, RngState, b * nheads, dropout_threshold, dropout_scale,
+                        HAS_DROPOUT)
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
     Q, K, V, dOut, q_desc, k_desc, v_desc, do_desc, Lse, Delta, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    RngState,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -263,11 +295,12 @@ def attention_bwd_dkdv_kernel(
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     nheads, nheads_k, group_size, seqlen_q, seqlen_k, key_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    dropout_threshold, dropout_scale,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):
     pid_n, pid_bhk = program_coordinates(key_programs)
     b, hk, _ = program_heads(pid_bhk, nheads_k, 1)
@@ -279,7 +312,7 @@ def attention_bwd_dkdv_kernel(
                   stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k, sm_scale, score_scale,
                   softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                   BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                  VARLEN, USE_TMA, SCALE_IN_EXP2)
+                  VARLEN, USE_TMA, SCALE_IN_EXP2, RngState, nheads, dropout_threshold, dropout_scale, HAS_DROPOUT)
 
 
 @triton.jit
@@ -291,7 +324,8 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, 
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, VARLEN: tl.constexpr):
+               USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, VARLEN: tl.constexpr,
+               dropout_seed, dropout_stream, dropout_row, dropout_threshold, dropout_scale, HAS_DROPOUT: tl.constexpr):
     # k_src / v_src: pointers at the sequence's row 0, where MASKED ranges may run past the keys; the interior
     # range never does, so its loads go unmasked. With USE_TMA the tiles come through k_desc / v_desc (b32, hk32
     # and row0 + n0 the coordinates), in a packed batch (VARLEN) only in the interior range (as in _dkdv_blocks)
@@ -315,6 +349,10 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, 
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2, not VARLEN)
         p = exp2_of_scores(s, lse2[:, None], score_scale, SCALE_IN_EXP2)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            # the gradient of the probabilities reaches only the kept entries, scaled by 1 / (1 - p)
+            keep = dropout_keep(dropout_seed, dropout_stream, dropout_row, offs_m, n0, dropout_threshold, BLOCK_N)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -333,9 +371,11 @@ def _dq_query_block(m0, Q, K, V, dOut, Out, k_desc, v_desc, Lse, Delta, dLse, dQ
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                    VARLEN: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr):
+                    VARLEN: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
+                    RngState, dropout_row, dropout_threshold, dropout_scale, HAS_DROPOUT: tl.constexpr):
     """dQ of query rows [m0, m0 + BLOCK_M) of one (batch entry, head); the pointers are at the entry's row 0.
-    COMPUTE_DELTA: compute these rows' delta from Out and dO (and dLse) and store it, instead of reading it."""
+    COMPUTE_DELTA: compute these rows' delta from Out and dO (and dLse) and store it, instead of reading it.
+    HAS_DROPOUT: the keep-mask of (batch entry, head) dropout_row = b * nheads + h."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -364,24 +404,30 @@ def _dq_query_block(m0, Q, K, V, dOut, Out, k_desc, v_desc, Lse, Delta, dLse, dQ
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dropout_seed, dropout_stream = 0, 0
+    if HAS_DROPOUT:
+        dropout_seed, dropout_stream = dropout_state(RngState)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
                     mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
+                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN, dropout_seed, dropout_stream, dropout_row,
+                    dropout_threshold, dropout_scale, HAS_DROPOUT)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
                     mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                    MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
+                    MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN, dropout_seed, dropout_stream,
+                    dropout_row, dropout_threshold, dropout_scale, HAS_DROPOUT)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, k_desc, v_desc, b32, hk32, row0, stride_kn, stride_vn,
                     mask_rows, stride_mask_n,
                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, HEADDIM,
                     HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN)
+                    DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN, dropout_seed, dropout_stream, dropout_row,
+                    dropout_threshold, dropout_scale, HAS_DROPOUT)
     tl.store(dQ + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))
 
@@ -400,7 +446,8 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Out, k_desc, v_d
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
                 USE_TMA: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, COMPUTE_DELTA: tl.constexpr,
-                HAS_DLSE: tl.constexpr):
+                HAS_DLSE: tl.constexpr, RngState, dropout_row, dropout_threshold, dropout_scale,
+                HAS_DROPOUT: tl.constexpr):
     """The dQ work of program pid_m of query_programs for (batch entry b, query head h of K/V head hk)
     (COMPUTE_DELTA: see _dq_query_block)."""
     q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence_bounds(
@@ -421,7 +468,7 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Out, k_desc, v_d
                             score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                             HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                             HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN, COMPUTE_DELTA,
-                            HAS_DLSE)
+                            HAS_DLSE, RngState, dropout_row, dropout_threshold, dropout_scale, HAS_DROPOUT)
     else:
         _dq_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, k_desc, v_desc, Lse, Delta, dLse, dq_ptr,
                         Slopes, Mask, b, h, hk, q_start, k_start, stride_qm, stride_qh, stride_kn, stride_kh,
@@ -430,12 +477,14 @@ def _dq_program(pid_m, query_programs, b, h, hk, Q, K, V, dOut, Out, k_desc, v_d
                         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale,
                         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right, HEADDIM,
                         HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN, COMPUTE_DELTA, HAS_DLSE)
+                        HAS_ALIBI, MASK_KIND, DOT_PRECISION, USE_TMA, SCALE_IN_EXP2, VARLEN, COMPUTE_DELTA, HAS_DLSE,
+                        RngState, dropout_row, dropout_threshold, dropout_scale, HAS_DROPOUT)
 
 
 @triton.jit
 def attention_bwd_dq_kernel(
     Q, K, V, dOut, Out, q_desc, k_desc, v_desc, do_desc, Lse, Delta, dLse, dQ, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    RngState,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -446,11 +495,12 @@ def attention_bwd_dq_kernel(
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     nheads, group_size, seqlen_q, seqlen_k, query_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    dropout_threshold, dropout_scale,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr, HAS_DLSE: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):
     """The two-launch schedules' first kernel: dQ, and each query row's delta = rowsum(dO * O) - dLse (HAS_DLSE),
     stored in Delta for the dK/dV kernel launched after it."""
@@ -465,12 +515,13 @@ def attention_bwd_dq_kernel(
                 stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset,
                 window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT,
                 HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2, True,
-                HAS_DLSE)
+                HAS_DLSE, RngState, pid_bh, dropout_threshold, dropout_scale, HAS_DROPOUT)
 
 
 @triton.jit
 def attention_bwd_kernel(
     Q, K, V, dOut, q_desc, k_desc, v_desc, do_desc, Lse, Delta, dQ, dK, dV, Slopes, Mask, CuSeqlensQ, CuSeqlensK,
+    RngState,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -482,11 +533,12 @@ def attention_bwd_kernel(
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     nheads, nheads_k, group_size, seqlen_q, seqlen_k, key_programs, query_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    dropout_threshold, dropout_scale,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):
     """Backward schedule 1: the dK/dV and the dQ programs in one launch, (key_programs * nheads_k +
     query_programs * nheads) programs per batch entry (program_coordinates). Of a batch entry's programs the
@@ -507,7 +559,8 @@ def attention_bwd_kernel(
                       stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, group_size, seqlen_q, seqlen_k,
                       sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
                       HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2)
+                      HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN, USE_TMA, SCALE_IN_EXP2, RngState, nheads,
+                      dropout_threshold, dropout_scale, HAS_DROPOUT)
     else:
         # the dQ programs use the transposed tile: BLOCK_N query rows against BLOCK_M keys
         r = pid - dkdv_programs
@@ -522,4 +575,5 @@ def attention_bwd_kernel(
                     stride_mask_m, stride_mask_n, seqlen_q, seqlen_k, sm_scale, score_scale, softcap_scale,
                     softcap_out, diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                     BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, VARLEN,
-                    USE_TMA, SCALE_IN_EXP2, False, False)
+                    USE_TMA, SCALE_IN_EXP2, False, False, RngState, b * nheads + h, dropout_threshold,
+                    dropout_scale, HAS_DROPOUT)

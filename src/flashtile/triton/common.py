@@ -310,7 +310,8 @@ def exp2_columns(x, POLY_EVERY: tl.constexpr):
 @triton.jit
 def online_softmax_step(acc, l_i, m_i, s, v, scale, MASKED: tl.constexpr, MASK_KIND: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                        RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0):
+                        RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0,
+                        HAS_DROPOUT: tl.constexpr = False, keep=None):
     """Fold one tile of scores s (M, N) and its values v (N, DV) into (acc, l, m); m is in base-2 units.
 
     s is in base-2 units, or with SCALE_IN_EXP2 the unscaled products (scores(..., UNSCALED=True)) that
@@ -325,6 +326,9 @@ def online_softmax_step(acc, l_i, m_i, s, v, scale, MASKED: tl.constexpr, MASK_K
     max. Every probability stays at most 2^t, and out = acc / l is exact because both use the same m. The acc
     multiply is skipped for the whole tile when no row moved. EXP2_POLY_EVERY = n: one probability column in n by
     exp2_poly (exp2_columns).
+
+    HAS_DROPOUT: only the probabilities where keep (M, N) is true reach acc; l sums them all (dropout acts on the
+    normalised probabilities, so the caller scales the finished rows by 1 / (1 - p)).
     """
     row_max = tl.max(s, 1)
     if SCALE_IN_EXP2:
@@ -348,6 +352,8 @@ def online_softmax_step(acc, l_i, m_i, s, v, scale, MASKED: tl.constexpr, MASK_K
     # rescale what was accumulated against the old max (0 on the first visible block)
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:
+        p = tl.where(keep, p, 0.0)
     if RESCALE_THRESHOLD > 0:
         # alpha is exactly 1 for the rows that kept their max: skip the multiply when every row did
         if tl.max((m_new != m_i).to(tl.int32), 0) > 0:
@@ -385,3 +391,31 @@ def finish_rows(acc, l_i, m_i):
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # ln 2: back to natural log
     return out, lse
+
+
+@triton.jit
+def dropout_state(RngState):
+    """(seed, stream) of a call's dropout stream (flashtile._dropout): RngState holds the 64-bit seed and the stream
+    word as two int64 (launch._dropout_args)."""
+    seed = tl.load(RngState)
+    stream = tl.load(RngState + 1).to(tl.int32)
+    return seed, stream
+
+
+@triton.jit
+def dropout_keep(seed, stream, row, q_idx, n0, threshold, BLOCK_N: tl.constexpr):
+    """The dropout keep-mask (M, BLOCK_N) of query positions q_idx (M,) against keys [n0, n0 + BLOCK_N), n0 a multiple
+    of 4, of the (batch entry, head) pair row = b * nheads + h: key j is kept where word j % 4 of
+    Philox4x32-10(seed; j // 4, i, row, stream) reaches the unsigned threshold (flashtile._dropout). `threshold` is
+    that threshold - 2**31, compared with the words' top bit flipped, which maps unsigned order onto int32 order. One
+    Philox call serves four keys; a function of the positions alone, so any tile gives the same bits."""
+    M: tl.constexpr = q_idx.shape[0]
+    quads = n0 // 4 + tl.arange(0, BLOCK_N // 4)
+    c0 = quads[None, :] + q_idx[:, None] * 0
+    c1 = q_idx[:, None] + quads[None, :] * 0
+    c2 = c0 * 0 + row.to(tl.int32)
+    c3 = c0 * 0 + stream
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    # the four words of each call side by side: key 4g + w takes word w of call g
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (M, BLOCK_N))
+    return (r.to(tl.int32, bitcast=True) ^ -2147483648) >= threshold

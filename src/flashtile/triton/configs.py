@@ -169,6 +169,8 @@ def gluon_backward_unserved_reason(problem: AttentionProblem, overlap: bool = Fa
     p = problem
     if p.has_sink:
         return SINK_REASON
+    if p.dropout_p > 0:  # a property of the call, reported before the platform's reasons
+        return "dropout runs the Triton backward (the Gluon dK/dV kernel has no dropout)"
     reason = _gluon_platform_reason(p)
     if reason:
         return reason
@@ -220,6 +222,8 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     p = problem
     if p.has_sink:
         return SINK_REASON
+    if p.dropout_p > 0:  # a property of the call, reported before the platform's reasons
+        return "dropout runs the Triton kernels (the Gluon forward has no dropout)"
     reason = _gluon_platform_reason(p)
     if reason:
         return reason

@@ -27,14 +27,18 @@ not rescaled for that block; EXP2_POLY_EVERY = n computes one probability column
 A learnable sink (HAS_SINK: Sink holds one natural-log logit per query head) is where each row's online softmax
 starts, running max = the sink in base 2 and running sum = 1 (common.initial_row_stats): the lse includes it and a
 row that sees no key gets out = 0 and lse = the sink.
-Limitations: no dropout; fp64 is left to the torch backend.
+Dropout (HAS_DROPOUT, flashtile._dropout): each tile's keep-mask is regenerated from Philox by position
+(common.dropout_keep); the running sum l takes every probability and acc only the kept ones, and the finished rows
+are scaled by 1 / (1 - p), so out = dropout(softmax(S)) V with the lse of S (with a sink, the sink's term is in l
+and in the lse but never dropped: it has no value).
+Limitations: fp64 is left to the torch backend.
 """
 
 import triton
 import triton.language as tl
 
 from .common import (alibi_slope, finish_rows, initial_row_stats, key_block_bounds, load_tile, online_softmax_step,
-                     program_coordinates, program_heads, scores, sequence_bounds)
+                     program_coordinates, program_heads, scores, sequence_bounds, dropout_keep, dropout_state)
 
 
 @triton.jit
@@ -45,7 +49,8 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, EXP2_POLY_EVERY: tl.constexpr):
+                    SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, EXP2_POLY_EVERY: tl.constexpr,
+                    dropout_seed, dropout_stream, dropout_row, dropout_threshold, HAS_DROPOUT: tl.constexpr):
     # MASKED ranges may run past the keys; the interior range never does, so its loads go unmasked
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -59,8 +64,11 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2)
         v = load_tile(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
                       key_ok[:, None], offs_dv[None, :] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
+        keep = None
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_seed, dropout_stream, dropout_row, offs_m, n0, dropout_threshold, BLOCK_N)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, score_scale, MASKED, MASK_KIND, DOT_PRECISION,
-                                            SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                            SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_DROPOUT, keep)
     return acc, l_i, m_i
 
 
@@ -75,8 +83,10 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, Sink, q_start, k_start, b,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                          HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, EXP2_POLY_EVERY: tl.constexpr,
-                         HAS_SINK: tl.constexpr):
-    """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head): Q, K, V, Out point at the entry's row 0."""
+                         RngState, dropout_row, dropout_threshold, dropout_scale, HAS_SINK: tl.constexpr,
+                         HAS_DROPOUT: tl.constexpr):
+    """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head): Q, K, V, Out point at the entry's row 0.
+    HAS_DROPOUT: the keep-mask of (batch entry, head) dropout_row = b * nheads + h (common.dropout_keep)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -91,27 +101,35 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, Sink, q_start, k_start, b,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dropout_seed, dropout_stream = 0, 0
+    if HAS_DROPOUT:
+        dropout_seed, dropout_stream = dropout_state(RngState)
     # the three key ranges: left band edge (masked), interior (unmasked), right edge and ragged end (masked)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
                                     HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2,
-                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed, dropout_stream, dropout_row,
+                                    dropout_threshold, HAS_DROPOUT)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT,
                                     HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2,
-                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed, dropout_stream, dropout_row,
+                                    dropout_threshold, HAS_DROPOUT)
     acc, l_i, m_i = _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask_rows, stride_mask_n,
                                     offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k,
                                     score_scale, softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                     window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
                                     HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION, SCALE_IN_EXP2,
-                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                    RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed, dropout_stream, dropout_row,
+                                    dropout_threshold, HAS_DROPOUT)
 
     out, lse = finish_rows(acc, l_i, m_i)
+    if HAS_DROPOUT:
+        out = out * dropout_scale  # the kept probabilities' 1 / (1 - p)
     tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
     tl.store(Lse + b * stride_lse_b + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
@@ -119,7 +137,7 @@ def _forward_query_block(m0, Q, K, V, Out, Lse, Mask, Sink, q_start, k_start, b,
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, Out, Lse, Slopes, Sink, Mask, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, Slopes, Sink, Mask, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -128,11 +146,13 @@ def attention_fwd_kernel(
     stride_slopes_b, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     nheads, group_size, seqlen_q, seqlen_k, query_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    dropout_threshold, dropout_scale,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
     RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0, HAS_SINK: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_D >= HEADDIM and BLOCK_DV >= HEADDIM_V)
     pid_m, pid_bh = program_coordinates(query_programs)
@@ -155,7 +175,8 @@ def attention_fwd_kernel(
                                  stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                 DOT_PRECISION, SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_SINK)
+                                 DOT_PRECISION, SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, RngState,
+                                 pid_bh, dropout_threshold, dropout_scale, HAS_SINK, HAS_DROPOUT)
     else:
         _forward_query_block(pid_m * BLOCK_M, q_ptr, k_ptr, v_ptr, o_ptr, Lse, Mask, Sink, q_start, k_start, b, h, hk,
                              slope, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om,
@@ -163,4 +184,5 @@ def attention_fwd_kernel(
                              stride_mask_n, seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out,
                              diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, DOT_PRECISION,
-                             SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_SINK)
+                             SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, RngState, pid_bh,
+                             dropout_threshold, dropout_scale, HAS_SINK, HAS_DROPOUT)

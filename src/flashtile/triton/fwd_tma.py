@@ -49,14 +49,16 @@ Requirements checked by the launcher: a CUDA GPU of compute capability 9.0 or ne
 interpreter), 16-byte aligned base addresses and row strides (headdim and nheads * headdim
 multiples of 8 for 2-byte dtypes), a non-empty key tensor, no user mask (masks keep to fwd.py).
 Everything else (band, softcap, ALiBi, GQA, dv != d, both alignments, a learnable sink (HAS_SINK), FlashAttention-4's
-RESCALE_THRESHOLD and EXP2_POLY_EVERY of the fa4 schedule) is as in fwd.py; the kernel writes the same out and lse.
+RESCALE_THRESHOLD and EXP2_POLY_EVERY of the fa4 schedule, dropout with HAS_DROPOUT) is as in fwd.py; the kernel
+writes the same out and lse.
 """
 
 import triton
 import triton.language as tl
 
 from .common import (alibi_slope, band_mask, descriptor_origin, finish_rows, initial_row_stats, key_block_bounds,
-                     online_softmax_step, program_coordinates, program_heads, scores, sequence_bounds)
+                     online_softmax_step, program_coordinates, program_heads, scores, sequence_bounds, dropout_keep,
+                     dropout_state)
 
 
 @triton.jit
@@ -67,7 +69,8 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_
                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                         VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
-                        EXP2_POLY_EVERY: tl.constexpr):
+                        EXP2_POLY_EVERY: tl.constexpr, dropout_seed, dropout_stream, dropout_row, dropout_threshold,
+                        HAS_DROPOUT: tl.constexpr):
     """Key blocks [start, end): MASKED 0 none masked, 1 all masked, 2 those from masked_from on (a runtime
     branch, so that interior blocks and the right edge share one pipelined loop)."""
     for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -86,8 +89,11 @@ def _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b, hk, key_row0, offs_
             # past a packed sequence's last key the copy engine reads the next sequence's rows: their scores
             # are masked, but 0 * inf would still reach the output, so those value rows become zeros
             v = tl.where((offs_n < seqlen_k)[:, None], v, 0.0)
+        keep = None
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_seed, dropout_stream, dropout_row, offs_m, n0, dropout_threshold, BLOCK_N)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, score_scale, MASKED != 0, 0, DOT_PRECISION,
-                                            SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                            SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_DROPOUT, keep)
     return acc, l_i, m_i
 
 
@@ -102,9 +108,11 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, Sink, b, h
                              HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                              MASK_ALL: tl.constexpr, VARLEN: tl.constexpr, SEPARATE_RAGGED_END: tl.constexpr,
                              SCALE_IN_EXP2: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
-                             EXP2_POLY_EVERY: tl.constexpr, HAS_SINK: tl.constexpr):
+                             EXP2_POLY_EVERY: tl.constexpr, RngState, dropout_row, dropout_threshold, dropout_scale,
+                             HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Query rows [m0, m0 + BLOCK_M) of one (batch entry, head); Out points at the entry's row 0, the descriptors'
-    rows of this entry start at q_start / k_start (common.descriptor_origin)."""
+    rows of this entry start at q_start / k_start (common.descriptor_origin). HAS_DROPOUT: the keep-mask of (batch
+    entry, head) dropout_row = b * nheads + h (common.dropout_keep)."""
     b32, q_row0 = descriptor_origin(b, q_start, VARLEN)
     _, key_row0 = descriptor_origin(b, k_start, VARLEN)
     h32, hk32 = h.to(tl.int32), hk.to(tl.int32)
@@ -128,13 +136,16 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, Sink, b, h
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_bounds(m0, seqlen_k, diagonal_offset, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dropout_seed, dropout_stream = 0, 0
+    if HAS_DROPOUT:
+        dropout_seed, dropout_stream = dropout_state(RngState)
     if WARP_SPECIALIZE:
         acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo, hi, lo,
                                             seqlen_q, seqlen_k, score_scale, softcap_scale, softcap_out, slope,
                                             diagonal_offset, window_left, window_right, BLOCK_N, BLOCK_D, BLOCK_DV,
                                             MASK_ALL, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, True,
-                                            VARLEN, SCALE_IN_EXP2,
-                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                            VARLEN, SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed,
+                                            dropout_stream, dropout_row, dropout_threshold, HAS_DROPOUT)
     else:
         if HAS_LEFT:
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m, lo,
@@ -142,20 +153,23 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, Sink, b, h
                                                 softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                                 window_right, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT,
                                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2,
-                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed, dropout_stream,
+                                                dropout_row, dropout_threshold, HAS_DROPOUT)
         if VARLEN or (SEPARATE_RAGGED_END and not HAS_RIGHT):
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
                                                 full_lo, full_hi, full_hi, seqlen_q, seqlen_k, score_scale,
                                                 softcap_scale, softcap_out, slope, diagonal_offset, window_left,
                                                 window_right, BLOCK_N, BLOCK_D, BLOCK_DV, 0, HAS_LEFT, HAS_RIGHT,
                                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2,
-                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed, dropout_stream,
+                                                dropout_row, dropout_threshold, HAS_DROPOUT)
             acc, l_i, m_i = _forward_blocks_tma(acc, l_i, m_i, q, k_desc, v_desc, b32, hk32, key_row0, offs_m,
                                                 full_hi, hi, full_hi, seqlen_q, seqlen_k, score_scale, softcap_scale,
                                                 softcap_out, slope, diagonal_offset, window_left, window_right,
                                                 BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                                 HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2,
-                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed, dropout_stream,
+                                                dropout_row, dropout_threshold, HAS_DROPOUT)
         else:
             # the interior and the right edge (the band's or the keys' ragged end) in one loop, the edge masked
             # by a runtime branch: as two loops the edge's first copies would wait behind the interior loop's
@@ -166,9 +180,12 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, Sink, b, h
                                                 softcap_out, slope, diagonal_offset, window_left, window_right,
                                                 BLOCK_N, BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                                 HAS_ALIBI, DOT_PRECISION, False, VARLEN, SCALE_IN_EXP2,
-                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY)
+                                                RESCALE_THRESHOLD, EXP2_POLY_EVERY, dropout_seed, dropout_stream,
+                                                dropout_row, dropout_threshold, HAS_DROPOUT)
 
     out, lse = finish_rows(acc, l_i, m_i)
+    if HAS_DROPOUT:
+        out = out * dropout_scale  # the kept probabilities' 1 / (1 - p)
     tl.store(Out + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
     tl.store(Lse + b * stride_lse_b + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
@@ -176,19 +193,21 @@ def _forward_query_block_tma(m0, Q, q_desc, k_desc, v_desc, Out, Lse, Sink, b, h
 
 @triton.jit
 def attention_fwd_tma_kernel(
-    Q, q_desc, k_desc, v_desc, Out, Lse, Slopes, Sink, CuSeqlensQ, CuSeqlensK,
+    Q, q_desc, k_desc, v_desc, Out, Lse, Slopes, Sink, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
     stride_slopes_b,
     nheads, group_size, seqlen_q, seqlen_k, query_programs,
     sm_scale, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right,
+    dropout_threshold, dropout_scale,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, MASK_ALL: tl.constexpr, VARLEN: tl.constexpr,
     SEPARATE_RAGGED_END: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
     RESCALE_THRESHOLD: tl.constexpr = 0, EXP2_POLY_EVERY: tl.constexpr = 0, HAS_SINK: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(not (VARLEN and WARP_SPECIALIZE), "packed sequences take the forward without warp specialization")
     pid_m, pid_bh = program_coordinates(query_programs)
@@ -213,7 +232,8 @@ def attention_fwd_tma_kernel(
                                      diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D,
                                      BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                      DOT_PRECISION, False, MASK_ALL, True, SEPARATE_RAGGED_END,
-                                     SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_SINK)
+                                     SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, RngState, pid_bh,
+                                     dropout_threshold, dropout_scale, HAS_SINK, HAS_DROPOUT)
     else:
         _forward_query_block_tma(pid_m * BLOCK_M, Q, q_desc, k_desc, v_desc, o_ptr, Lse, Sink, b, h, hk, q_start,
                                  k_start, slope, stride_qb, stride_qm, stride_qh, stride_om, stride_oh, stride_lse_b,
@@ -221,4 +241,5 @@ def attention_fwd_tma_kernel(
                                  diagonal_offset, window_left, window_right, HEADDIM, HEADDIM_V, BLOCK_D, BLOCK_DV,
                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
                                  WARP_SPECIALIZE, MASK_ALL, False, SEPARATE_RAGGED_END,
-                                 SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, HAS_SINK)
+                                 SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY, RngState, pid_bh,
+                                 dropout_threshold, dropout_scale, HAS_SINK, HAS_DROPOUT)

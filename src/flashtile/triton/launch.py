@@ -21,6 +21,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import _dropout
 from .._geometry import visible_key_range
 from .._sink import sink_gradient
 from .._validate import AttentionProblem
@@ -127,6 +128,21 @@ def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProb
         mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0  # never read
     scalars, flags = _score_constants(problem, mask_kind, _dot_precision(problem.dtype))
     return slopes, slopes_stride, mask, mask_strides, scalars, flags
+
+
+def _dropout_args(q: torch.Tensor, problem: AttentionProblem, rng_state) -> tuple[torch.Tensor, tuple, dict]:
+    """The dropout arguments of the forward and backward kernels: (RngState, (dropout_threshold, dropout_scale),
+    constexprs). RngState holds the call's seed and stream word (flashtile._dropout) as two int64 on q's device;
+    the threshold is the unsigned keep threshold - 2**31 (common.dropout_keep compares in int32). Without dropout, q
+    (never read), (0, 1.0) and no constexpr (HAS_DROPOUT keeps its default, False)."""
+    if problem.dropout_p == 0:
+        return q, (0, 1.0), {}
+    seed, offset = rng_state.tolist()
+    state = torch.tensor([seed, _dropout.stream_of(offset)], dtype=torch.int64)
+    if q.device.type != "cpu":
+        state = state.to(q.device, non_blocking=True)
+    return (state, (_dropout.threshold(problem.dropout_p) - 2**31, _dropout.keep_scale(problem.dropout_p)),
+            {"HAS_DROPOUT": True})
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,12 +264,13 @@ def _register_cap(registers: int) -> dict:
 
 
 def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: TritonTiles,
-            cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None):
+            cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None, rng_state=None):
     """Fused forward: returns out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q) float32.
 
     With cu_seqlens_q / cu_seqlens_k (int32, (nseq + 1,)), q, k, v are packed sequences of shape
     (1, total, heads, dim), problem.batch is nseq and problem.seqlen_* are the max_seqlen hints;
     out is then (1, total_q, nheads, headdim_v) and lse (1, nheads, total_q). learnable_sink: (nheads,) or None.
+    rng_state: the call's dropout (seed, offset) (flashtile._dropout.draw_state) when problem.dropout_p > 0.
     """
     p = problem
     if tiles.forced_schedule == configs.SCHEDULE_CODES["fa1"]:
@@ -273,6 +290,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
     flags = _forward_widths(flags)
     sink = _sink_arg(q, learnable_sink)
+    rng, dropout_scalars, dropout_flags = _dropout_args(q, p, rng_state)
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m))
     grid = _grid(query_programs * p.batch * p.nheads)
     # packed batches take TMA loads under schedule 1 only (the warp-specialized loop keeps to dense batches)
@@ -289,23 +307,24 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         launch(
             attention_fwd_tma_kernel, grid,
             (q, _heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
-             _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, sink, cu_q, cu_k),
+             _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, sink, cu_q, cu_k, rng),
             (*_row_strides(q, 1), *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
-             slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
+             slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars,
+             *dropout_scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             WARP_SPECIALIZE=tiles.forward_schedule == 2, MASK_ALL=mask_all, VARLEN=varlen,
             SEPARATE_RAGGED_END=bool(tiles.forward_separate_ragged_end), RESCALE_THRESHOLD=tiles.rescale_threshold,
             EXP2_POLY_EVERY=tiles.exp2_poly_every, HAS_SINK=p.has_sink, **_register_cap(tiles.forward_max_registers),
-            **flags)
+            **flags, **dropout_flags)
         return out, lse
     launch(
-        attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, sink, mask, cu_q, cu_k),
+        attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, sink, mask, cu_q, cu_k, rng),
         (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k), *_row_strides(out, batch_q),
          lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
-         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars),
+         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars, *dropout_scalars),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         VARLEN=varlen, RESCALE_THRESHOLD=tiles.rescale_threshold, EXP2_POLY_EVERY=tiles.exp2_poly_every,
-        HAS_SINK=p.has_sink, **flags)
+        HAS_SINK=p.has_sink, **flags, **dropout_flags)
     return out, lse
 
 
@@ -435,12 +454,14 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem: AttentionProblem,
-             tiles: TritonTiles, cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None):
+             tiles: TritonTiles, cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None, rng_state=None):
     """Recompute backward: returns dq, dk, dv contiguous in the flash layout and the inputs' dtype
     (for packed sequences, in the packed layout (1, total, heads, dim); see forward), and the gradient of
-    learnable_sink (None without one), reduced by torch from the kernels' delta and the forward's lse."""
+    learnable_sink (None without one), reduced by torch from the kernels' delta and the forward's lse (delta =
+    rowsum(dO * O) - dlse holds with dropout too: O is the dropped-out output). rng_state: the forward's dropout
+    (seed, offset), whose keep-mask the kernels regenerate, when problem.dropout_p > 0."""
     dq, dk, dv, delta = _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem,
-                                          tiles, cu_seqlens_q, cu_seqlens_k)
+                                          tiles, cu_seqlens_q, cu_seqlens_k, rng_state)
     if learnable_sink is None:
         return dq, dk, dv, None
     if delta is None:  # no query row: nothing reaches the sink
@@ -449,7 +470,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, pro
 
 
 def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem: AttentionProblem,
-                      tiles: TritonTiles, cu_seqlens_q=None, cu_seqlens_k=None):
+                      tiles: TritonTiles, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None):
     """backward's launches: dq, dk, dv and delta = rowsum(dO * O) - dlse (lse's layout, float32; None where no
     kernel ran because there is no query row)."""
     p = problem
@@ -464,6 +485,7 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
     # sequence, zeros where no query sees it (a sequence without queries too); the fill of dk and dv took 0.34
     # ms of a 15 ms causal fwd+bwd (docs/varlen.md)
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
+    rng, dropout_scalars, dropout_flags = _dropout_args(q, p, rng_state)
     has_dlse = grad_lse is not None
     grad_lse = grad_lse.float().contiguous() if has_dlse else lse  # never read without HAS_DLSE
     delta = torch.empty_like(lse)
@@ -493,7 +515,7 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
     else:
         descriptors = (q, k, v, grad_out)  # never read
     bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, USE_TMA=use_tma,
-               **flags)
+               **flags, **dropout_flags)
     key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), dq_rows))
     if tiles.backward_one_launch and k.shape[1] > 0:
@@ -507,9 +529,10 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
             HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
         launch(
             attention_bwd_kernel, _grid((key_programs * p.nheads_k + query_programs * p.nheads) * p.batch),
-            (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k),
+            (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k, rng),
             (*inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
-             p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars),
+             p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars,
+             *dropout_scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
         return dq, dk, dv, delta
     # two launches: the dQ kernel first, which also computes each query row's delta (its programs hold the rows'
@@ -517,9 +540,9 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
     # (bwd_block_n query rows against bwd_block_m keys)
     launch(
         attention_bwd_dq_kernel, _grid(query_programs * p.batch * p.nheads),
-        (q, k, v, grad_out, out, *descriptors, lse, delta, grad_lse, dq, slopes, mask, cu_q, cu_k),
+        (q, k, v, grad_out, out, *descriptors, lse, delta, grad_lse, dq, slopes, mask, cu_q, cu_k, rng),
         (*inputs, *_row_strides(out, batch_q), *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k,
-         query_programs, *scalars),
+         query_programs, *scalars, *dropout_scalars),
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, HAS_DLSE=has_dlse, **dict(bwd, num_warps=dq_warps),
         **_register_cap(tiles.dq_max_registers))
     if gluon_dkdv:
@@ -527,9 +550,9 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
     elif k.shape[1] > 0:
         launch(
             attention_bwd_dkdv_kernel, _grid(key_programs * p.batch * p.nheads_k),
-            (q, k, v, grad_out, *descriptors, lse, delta, dk, dv, slopes, mask, cu_q, cu_k),
+            (q, k, v, grad_out, *descriptors, lse, delta, dk, dv, slopes, mask, cu_q, cu_k, rng),
             (*inputs, *dk_strides, *dv_strides, *stats, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k,
-             key_programs, *scalars),
+             key_programs, *scalars, *dropout_scalars),
             BLOCK_M=tiles.bwd_block_m, BLOCK_N=tiles.bwd_block_n, **bwd)
     return dq, dk, dv, delta
 
