@@ -292,8 +292,8 @@ class TritonBackend:
         name = _schedules.running_schedule(problem, tiles)
         forced = " (forced)" if tiles.forced_schedule else ""
         if problem.paged:
-            return (f"{self.name!r}, schedule {name!r}{forced} — forward attention_fwd_kernel with PAGED (keys through "
-                    f"the block table); forward only")
+            return (f"{self.name!r}, schedule {name!r}{forced} — forward attention_fwd_kernel with PAGED (keys "
+                    f"through the block table); forward only")
         return f"{self.name!r}, schedule {name!r}{forced} — {_schedules.describe_kernels(name)}"
 
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:

@@ -27,7 +27,9 @@ not rescaled for that block; EXP2_POLY_EVERY = n computes one probability column
 Paged K/V (PAGED, with VARLEN: flash_attn_varlen_func with block_table): K and V are caches of (num_blocks,
 page_size, nheads_k, dim) and sequence b's key j is row j % page_size of block BlockTable[b, j // page_size]; its key
 count is SeqlensK[b]. A key block looks its page up once where BLOCK_N divides the page size (the launcher then
-passes PAGE_CHUNK = BLOCK_N), once per key otherwise (PAGE_CHUNK = 0); everything else (bands, masks, the online softmax) is unchanged. Forward only.
+passes PAGE_CHUNK = BLOCK_N), once per key otherwise (PAGE_CHUNK = 0); everything else (bands, masks, the online
+softmax) is unchanged. Forward only. Without PAGED the key addresses are the packed kernel's expressions (the sm_90
+instruction stream is the same as without the flag).
 A learnable sink (HAS_SINK: Sink holds one natural-log logit per query head) is where each row's online softmax
 starts, running max = the sink in base 2 and running sum = 1 (common.initial_row_stats): the lse includes it and a
 row that sees no key gets out = 0 and lse = the sink.
@@ -43,27 +45,24 @@ from .common import (alibi_slope, finish_rows, initial_row_stats, key_block_boun
 
 @triton.jit
 def _key_rows(n0, offs_n, key_ok, table, page_size, num_blocks, stride_kb, stride_kn, stride_vb, stride_vn,
-              BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_CHUNK: tl.constexpr):
-    """Offsets of keys offs_n (a block starting at n0, a multiple of BLOCK_N) from the K / V head's base: row
-    offs_n of the sequence, or with PAGED row offs_n % page_size of block table[offs_n // page_size] of a paged
-    cache. Table entries are clamped into 0 .. num_blocks - 1: unchecked ones are never followed outside the cache."""
-    if PAGED and PAGE_CHUNK == BLOCK_N:
+              BLOCK_N: tl.constexpr, PAGE_CHUNK: tl.constexpr):
+    """Offsets of paged keys offs_n (a block starting at n0, a multiple of BLOCK_N) from the K / V head's base: row
+    offs_n % page_size of block table[offs_n // page_size]. Table entries are clamped into 0 .. num_blocks - 1:
+    unchecked ones are never followed outside the cache."""
+    if PAGE_CHUNK == BLOCK_N:
         # BLOCK_N divides the page size: the block lies in one page, looked up once, and its rows are consecutive
         block = tl.load(table + n0 // page_size)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
         within = (n0 % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
         k_rows = block * stride_kb + within * stride_kn
         v_rows = block * stride_vb + within * stride_vn
-    elif PAGED:
+    else:
         # pages smaller than the block: one table entry per key (keys past the sequence's end look nothing up)
         block = tl.load(table + offs_n // page_size, mask=key_ok, other=0)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
         within = (offs_n % page_size).to(tl.int64)
         k_rows = block * stride_kb + within * stride_kn
         v_rows = block * stride_vb + within * stride_vn
-    else:
-        k_rows = offs_n.to(tl.int64) * stride_kn
-        v_rows = offs_n.to(tl.int64) * stride_vn
     return k_rows, v_rows
 
 
@@ -81,16 +80,23 @@ def _forward_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mask
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
-        k_rows, v_rows = _key_rows(n0, offs_n, key_ok, table, page_size, num_blocks, stride_kb, stride_kn, stride_vb,
-                                   stride_vn, BLOCK_N, PAGED, PAGE_CHUNK)
-        k_t = load_tile(k_base + k_rows[None, :] + offs_d[:, None],
-                        key_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
+        if PAGED:
+            k_rows, v_rows = _key_rows(n0, offs_n, key_ok, table, page_size, num_blocks, stride_kb, stride_kn,
+                                       stride_vb, stride_vn, BLOCK_N, PAGE_CHUNK)
+            k_ptrs = k_base + k_rows[None, :] + offs_d[:, None]
+        else:
+            k_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None]
+        k_t = load_tile(k_ptrs, key_ok[None, :], offs_d[:, None] < HEADDIM, MASKED, BLOCK_D != HEADDIM)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
         s, _ = scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, score_scale, softcap_scale,
                       softcap_out, slope, diagonal_offset, window_left, window_right,
                       mask_rows + offs_n[None, :] * stride_mask_n,
                       MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, SCALE_IN_EXP2)
-        v = load_tile(v_base + v_rows[:, None] + offs_dv[None, :],
+        if PAGED:
+            v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :]
+        else:
+            v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :]
+        v = load_tile(v_ptrs,
                       key_ok[:, None], offs_dv[None, :] < HEADDIM_V, MASKED, BLOCK_DV != HEADDIM_V)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, score_scale, MASKED, MASK_KIND, DOT_PRECISION,
                                             SCALE_IN_EXP2, RESCALE_THRESHOLD, EXP2_POLY_EVERY)
