@@ -75,7 +75,7 @@ def main():
         # the scale inside exp2
         plain = dict(HAS_ALIBI=False, SCALE_IN_EXP2=True) if dtype == "bf16" and headdim == 128 else {}
         fwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32", "Slopes": "*fp32", "Sink": "*fp32",
-                    "Mask": "*u8", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
+                    "Mask": "*u8", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "BlockTable": "*i32", "SeqlensK": "*i32"}
         bwd_ptrs = {"Q": ptr, "K": ptr, "V": ptr, "dOut": ptr, "Out": ptr, "Lse": "*fp32", "Delta": "*fp32",
                     "dLse": "*fp32", "dK": ptr,
                     "dV": ptr, "dQ": ptr, "Slopes": "*fp32", "Mask": "*u8",
@@ -87,6 +87,11 @@ def main():
         results.append(compile_variant(f"fwd {tag_varlen}", attention_fwd_kernel,
                                        dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=1 if dtype == "fp16" else 0,
                                             VARLEN=varlen, HAS_SINK=causal), fwd_ptrs, 8, 3))
+        if varlen:
+            # paged K/V (flash_attn_varlen_func with block_table) with 16-key pages: one table entry per key
+            results.append(compile_variant(f"fwd {tag_varlen} paged", attention_fwd_kernel,
+                                           dict(flags, BLOCK_M=128, BLOCK_N=64, MASK_KIND=0, VARLEN=True,
+                                                HAS_SINK=causal, PAGED=True, PAGE_CHUNK=0), fwd_ptrs, 8, 3))
         # schedule 1 at the table's tiles (for bf16 d = 128 128-key blocks, the largest forward tile, with the
         # band); schedule 2 (opt-in) at its 128-row tiles, band on every tile
         forward = table_tiles(dtype, headdim, causal)

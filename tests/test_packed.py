@@ -25,6 +25,10 @@ FLASH_ATTN_SIGNATURES = {
                                          ("max_seqlen", _REQUIRED)] + _OPTIONS,
     "flash_attn_varlen_kvpacked_func": [(name, _REQUIRED) for name in ("q", "kv", "cu_seqlens_q", "cu_seqlens_k",
                                                                         "max_seqlen_q", "max_seqlen_k")] + _OPTIONS,
+    # flash-attn >= 2.6 takes block_table (paged K/V) after return_attn_probs
+    "flash_attn_varlen_func": [(name, _REQUIRED) for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
+                                                               "max_seqlen_q", "max_seqlen_k")]
+                              + _OPTIONS + [("block_table", None)],
     "flash_attn_with_kvcache": [("q", _REQUIRED), ("k_cache", _REQUIRED), ("v_cache", _REQUIRED), ("k", None),
                                 ("v", None), ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
                                 ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None),

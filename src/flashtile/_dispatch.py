@@ -95,6 +95,9 @@ class TorchBackend:
         return torch_impl.TorchTiles(*values)
 
     def describe_tiles(self, problem: AttentionProblem, tiles: torch_impl.TorchTiles) -> str:
+        if problem.paged:
+            return (f"{tiles.describe(problem)}; per packed sequence, its keys gathered from the pages through its "
+                    f"block-table row, then one dense pass (forward only)")
         if problem.varlen:
             return f"{tiles.describe(problem)}; one dense pass per packed sequence, tiles following its length"
         visited, masked, full = count_visited_tiles(problem, tiles.block_q, tiles.block_k)
@@ -119,6 +122,12 @@ class TorchBackend:
 
         with torch.no_grad():  # the result carries no gradient (forward only)
             return kvcache.attention_over_cache(call, tiles, max(1, num_splits))  # splitting adds no parallelism here
+
+    def paged_varlen_forward(self, call, tiles):
+        from . import kvcache
+
+        with torch.no_grad():  # forward only (prepare_flash_attn_varlen_paged refuses inputs that need gradients)
+            return kvcache.paged_varlen_forward(call, tiles)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
                  cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None, rng_state=None):
@@ -284,6 +293,9 @@ class TritonBackend:
     def describe_kernel(self, problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:
         name = _schedules.running_schedule(problem, tiles)
         forced = " (forced)" if tiles.forced_schedule else ""
+        if problem.paged:
+            return (f"{self.name!r}, schedule {name!r}{forced} — forward attention_fwd_kernel with PAGED (keys "
+                    f"through the block table); forward only")
         return f"{self.name!r}, schedule {name!r}{forced} — {_schedules.describe_kernels(name)}"
 
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:
@@ -293,6 +305,10 @@ class TritonBackend:
         return _triton_tiles(tuple(values))
 
     def describe_tiles(self, problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:
+        if problem.paged:
+            return (f"{tiles.describe(problem)}; packed queries against paged K/V: attention_fwd_kernel with PAGED "
+                    f"reads each key block through the block table (once per block where block_n divides the page "
+                    f"size, once per key otherwise), forward only")
         if problem.varlen:
             return (f"{tiles.describe(problem)}; packed sequences: the grid covers max_seqlen rows of each "
                     f"sequence, at most {triton_configs.VARLEN_GRID_ROWS}, and each program visits only its "
@@ -317,6 +333,10 @@ class TritonBackend:
     def decode(self, call, tiles, num_splits):
         with on_device(call.q.device):
             return _triton_launch().decode(call, num_splits)
+
+    def paged_varlen_forward(self, call, tiles):
+        with on_device(call.q.device):
+            return _triton_launch().paged_varlen_forward(call, tiles)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_mask, problem, tiles,
                  cu_seqlens_q=None, cu_seqlens_k=None, learnable_sink=None, rng_state=None):

@@ -99,6 +99,9 @@ def unserved_reason(name: str, problem: AttentionProblem, tiles: triton_configs.
         return "" if p.kvcache else "it serves flash_attn_with_kvcache calls only"
     if p.kvcache:
         return "KV-cache calls (flash_attn_with_kvcache) are the decode schedule's"
+    if p.paged and name in ("fa1", "fa3"):
+        return ("paged K/V (flash_attn_varlen_func with block_table) runs attention_fwd_kernel, the fa2 / fa4 "
+                "pointer kernel")
     if name == "fa1":
         served = ("softcap", p.softcap > 0), ("ALiBi", p.has_alibi), ("an attn_mask", p.mask_kind is not None), \
             ("packed variable-length batches", p.varlen), ("dropout", p.dropout_p > 0)
@@ -116,7 +119,8 @@ def running_schedule(problem: AttentionProblem, tiles: triton_configs.TritonTile
         return triton_configs.SCHEDULE_NAMES[tiles.forced_schedule]
     if problem.kvcache:
         return "decode"
-    if tiles.forward_schedule == 3 and not triton_configs.gluon_unserved_reason(problem, tiles.gluon_tile):
+    if (tiles.forward_schedule == 3 and not problem.paged
+            and not triton_configs.gluon_unserved_reason(problem, tiles.gluon_tile)):
         return "fa3"
     return "fa2"
 

@@ -65,6 +65,9 @@ class AttentionProblem:
     has_sink: bool = False
     # attention dropout on the probabilities, in [0, 1); each call draws its own Philox (seed, offset)
     dropout_p: float = 0.0
+    # paged K/V (flash_attn_varlen_func with block_table; varlen is then set too): keys are read from paged caches
+    # through a block table, forward only; seqlen_k is the max_seqlen_k hint
+    paged: bool = False
 
     @property
     def group_size(self) -> int:
@@ -399,6 +402,162 @@ def prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return PreparedCall(*packed, alibi_slopes=slopes, attn_mask=None, problem=problem,
                         cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous(),
                         learnable_sink=sink)
+
+
+@dataclass(frozen=True)
+class PagedVarlenCall:
+    """A validated `flash_attn_varlen_func` call with block_table: packed queries against paged K/V caches.
+
+    q (1, total_q, nheads, headdim); k_cache / v_cache (num_blocks, page_size, nheads_k, headdim[_v]) as given;
+    block_table (nseq, max_blocks) int32: sequence b's key j is row j % page_size of block
+    block_table[b, j // page_size]; seqlens_k (nseq,) int32: each sequence's number of keys (seqused_k, or the
+    differences of cu_seqlens_k); cu_seqlens_q (nseq + 1,) int32. Index tensors are contiguous (copies of strided
+    arguments)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    block_table: torch.Tensor
+    seqlens_k: torch.Tensor
+    alibi_slopes: torch.Tensor | None  # (nseq or 1, nheads)
+    learnable_sink: torch.Tensor | None  # (nheads,)
+    problem: AttentionProblem
+    page_size: int
+
+    @property
+    def capacity(self) -> int:
+        """Keys each sequence's block-table row can address."""
+        return self.block_table.shape[1] * self.page_size
+
+
+def prepare_flash_attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, block_table,
+                                    seqused_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    deterministic, return_attn_probs, return_lse,
+                                    learnable_sink=None) -> PagedVarlenCall:
+    """Validate `flash_attn_varlen_func` arguments with block_table (k and v are paged caches), before anything runs.
+
+    On CPU tensors (outside torch.compile) the values are checked too: cu_seqlens, every sequence's key count within
+    0 .. max_blocks * page_size, and the block-table entries of the pages in use within 0 .. num_blocks - 1. On a GPU
+    they are the caller's guarantee (reading them would synchronise); the kernel clamps lengths and block ids into
+    the caches, so broken values give undefined results without reading outside them.
+    """
+    _require_tensor("q", q)
+    if q.dim() != 3:
+        raise ValueError(f"q must have rank 3 (total_q, nheads, headdim), got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        _require_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"with block_table, {name} is a paged cache of rank 4 (num_blocks, page_block_size, "
+                             f"nheads_k, headdim), got shape {tuple(t.shape)}")
+    _check_qkv_dtypes_devices(("q", "k", "v"), (q, k, v))
+    total_q, nheads, headdim = q.shape
+    num_blocks, page_size, nheads_k, headdim_k = k.shape
+    headdim_v = v.shape[3]
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in (num_blocks, page_block_size, "
+                         f"nheads_k)")
+    if headdim_k != headdim:
+        raise ValueError(f"q has head dim {headdim} but k has {headdim_k}; q and k head dims must match")
+    _check_headdims(headdim, headdim_v, "q", "v")
+    _check_heads(nheads, nheads_k, "q", "k")
+    if page_size == 0 or page_size % 16 != 0:
+        raise ValueError(f"a paged k (num_blocks, page_block_size, nheads_k, headdim) needs page_block_size to be a "
+                         f"positive multiple of 16 (as flash_attn_with_kvcache), got {page_size}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"the paged {name} must have a unit-stride last dimension (a cache is not copied)")
+
+    table = _require_tensor("block_table", block_table)
+    if table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {table.dtype}")
+    if table.device != q.device:
+        raise ValueError(f"block_table is on {table.device} but q is on {q.device}")
+    nseq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (q.shape[0])", q.device)
+    if table.dim() != 2 or table.shape[0] != nseq:
+        raise ValueError(f"block_table must have shape (nseq, max_blocks_per_seq) = ({nseq}, ...) (nseq from "
+                         f"cu_seqlens_q), got {tuple(table.shape)}")
+    capacity = table.shape[1] * page_size
+
+    if seqused_k is not None:
+        _require_tensor("seqused_k", seqused_k)
+        if seqused_k.dtype != torch.int32:
+            raise TypeError(f"seqused_k must be int32, got {seqused_k.dtype}")
+        if tuple(seqused_k.shape) != (nseq,):
+            raise ValueError(f"seqused_k must have shape (nseq,) = ({nseq},), got {tuple(seqused_k.shape)}")
+        if seqused_k.device != q.device:
+            raise ValueError(f"seqused_k is on {seqused_k.device} but q is on {q.device}")
+    if cu_seqlens_k is not None:
+        cu_k = _require_tensor("cu_seqlens_k", cu_seqlens_k)
+        if cu_k.dtype != torch.int32:
+            raise TypeError(f"cu_seqlens_k must be int32 (cumulative sequence lengths), got {cu_k.dtype}")
+        if tuple(cu_k.shape) != (nseq + 1,):
+            raise ValueError(f"cu_seqlens_k must have shape (nseq + 1,) = ({nseq + 1},) like cu_seqlens_q, got "
+                             f"{tuple(cu_k.shape)}")
+        if cu_k.device != q.device:
+            raise ValueError(f"cu_seqlens_k is on {cu_k.device} but q is on {q.device}")
+    elif seqused_k is None:
+        raise ValueError("with block_table, each sequence's key count comes from seqused_k or cu_seqlens_k; "
+                         "both are None")
+    if seqused_k is not None:
+        seqlens_k = seqused_k.contiguous()
+    else:
+        seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).contiguous()  # a device op: nothing is read back
+
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    scale, left, right, cap, dropout = _check_flash_options(dropout_p, softmax_scale, causal, window_size, softcap,
+                                                            deterministic, return_attn_probs, return_lse, headdim)
+    if dropout > 0 or return_attn_probs:
+        raise NotImplementedError(
+            f"flash_attn_varlen_func with block_table (paged K/V) is forward-only inference: it takes dropout_p = 0 "
+            f"and return_attn_probs=False, got dropout_p={dropout_p!r}, return_attn_probs={return_attn_probs!r}")
+    slopes = _check_alibi(alibi_slopes, nseq, nheads, q.device, batch_name="nseq")
+    sink = _check_sink(learnable_sink, nheads, q.dtype, q.device)
+    if torch.is_grad_enabled():
+        needing = [name for name, t in (("q", q), ("k", k), ("v", v), ("learnable_sink", sink))
+                   if t is not None and t.requires_grad]
+        if needing:
+            raise NotImplementedError(
+                f"{', '.join(needing)} require(s) grad, but flash_attn_varlen_func with block_table (paged K/V) is "
+                f"forward only, as in flash-attn; call it under torch.no_grad() or torch.inference_mode(), or pass "
+                f"detached tensors")
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_paged_values(cu_seqlens_k, seqused_k, seqlens_k, table, page_size, num_blocks)
+    problem = AttentionProblem(
+        batch=nseq, nheads=nheads, nheads_k=nheads_k, seqlen_q=max_q, seqlen_k=max_k, headdim=headdim,
+        headdim_v=headdim_v, dtype=q.dtype, device=q.device, softmax_scale=scale, window_left=left,
+        window_right=right, diagonal_offset=0, alignment="bottom-right", softcap=cap,
+        has_alibi=slopes is not None, mask_kind=None, varlen=True, has_sink=sink is not None, paged=True)
+    return PagedVarlenCall(q=unit_last_stride(q).unsqueeze(0), k_cache=k, v_cache=v,
+                           cu_seqlens_q=cu_seqlens_q.contiguous(), block_table=table.contiguous(), seqlens_k=seqlens_k,
+                           alibi_slopes=slopes, learnable_sink=sink, problem=problem, page_size=page_size)
+
+
+def _check_paged_values(cu_seqlens_k, seqused_k, seqlens_k, table, page_size: int, num_blocks: int) -> None:
+    """The rules on index values of a paged call (CPU tensors): cu_seqlens_k starts at 0 and never decreases, each
+    key count is within 0 .. max_blocks * page_size, and the pages in use are blocks of the cache."""
+    capacity = table.shape[1] * page_size
+    if cu_seqlens_k is not None:
+        offsets = cu_seqlens_k.tolist()
+        if offsets[0] != 0:
+            raise ValueError(f"cu_seqlens_k[0] must be 0, got {offsets[0]}")
+        for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
+            if b < a:
+                raise ValueError(f"cu_seqlens_k must be non-decreasing, but cu_seqlens_k[{i + 1}] = {b} < "
+                                 f"cu_seqlens_k[{i}] = {a}")
+    source = "seqused_k[{b}]" if seqused_k is not None else "cu_seqlens_k[{c}] - cu_seqlens_k[{b}]"
+    rows = table.tolist()
+    for b, length in enumerate(seqlens_k.tolist()):
+        if not 0 <= length <= capacity:
+            name = source.format(b=b, c=b + 1)
+            raise ValueError(f"sequence {b} has {name} = {length} keys; it must be within 0 .. {capacity} "
+                             f"(max_blocks_per_seq {table.shape[1]} x page_block_size {page_size})")
+        for j in range(-(-length // page_size)):
+            if not 0 <= rows[b][j] < num_blocks:
+                raise ValueError(f"block_table[{b}, {j}] = {rows[b][j]} is not a block of the paged k / v "
+                                 f"(0 .. {num_blocks - 1}); sequence {b} uses its first {-(-length // page_size)} "
+                                 f"entries")
 
 
 def _check_attn_mask(attn_mask: object, full_shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:

@@ -39,7 +39,8 @@ from typing import Any
 from torch import Tensor
 
 from . import _dispatch, kvcache
-from ._validate import prepare_flash_attn, prepare_flash_attn_varlen, prepare_kvcache, prepare_sdpa
+from ._validate import (prepare_flash_attn, prepare_flash_attn_varlen, prepare_flash_attn_varlen_paged,
+                        prepare_kvcache, prepare_sdpa)
 from .autograd import attention
 from .torch_impl import attention_probabilities
 
@@ -114,31 +115,54 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     return (out, lse) if return_lse else out
 
 
-def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: float | None = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                           return_attn_probs: bool = False, *, return_lse: bool = False,
-                           learnable_sink: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
-    """Attention over packed variable-length sequences, with flash-attn's signature (no padding).
+                           return_attn_probs: bool = False, block_table: Tensor | None = None, *,
+                           return_lse: bool = False, learnable_sink: Tensor | None = None,
+                           seqused_k: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+    """Attention over packed variable-length sequences, with flash-attn's signature (no padding); with
+    block_table, packed queries against paged K/V caches (forward only), as vLLM calls flash-attn.
 
     Args:
         q: (total_q, nheads, headdim), the query rows of every sequence one after another.
         k: (total_k, nheads_k, headdim); v: (total_k, nheads_k, headdim_v); same dtype and device.
+            With block_table: paged caches k (num_blocks, page_block_size, nheads_k, headdim) and
+            v (num_blocks, page_block_size, nheads_k, headdim_v), page_block_size a positive multiple of 16
+            (as flash_attn_with_kvcache; flash-attn's multiples of 256 included), unit-stride last dims.
         cu_seqlens_q, cu_seqlens_k: int32 (nseq + 1,) on q's device: sequence i owns query rows
             cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 and key rows cu_seqlens_k[i] .. cu_seqlens_k[i + 1] - 1.
             Each starts at 0, never decreases and ends at total_q / total_k; zero-length sequences are
             allowed. Checked on CPU tensors; on a GPU only dtype, shape and device are checked (reading the
             values would synchronise every call), and offsets that break the rules give undefined results.
+            With block_table, cu_seqlens_k only gives each sequence's key count (its differences; its end need
+            not match k) and may be None when seqused_k is given.
         max_seqlen_q, max_seqlen_k: ints >= 0, hints for the GPU grid (the longest sequence is the right
             value); results never depend on them, and nothing is read back from the GPU to check them.
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
         return_lse: as in `flash_attn_func`, applied to each sequence on its own; causal and windows are
-            bottom-right aligned per sequence (a sequence's last query row sees its last key). Dropout's keep-mask
-            of sequence s is that of batch entry s in flash_attn_func (positions count from the sequence's start).
+            bottom-right aligned per sequence (a sequence's last query row sees its last key): for a
+            sequence of 2 queries and 5 keys, causal,
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            Dropout's keep-mask of sequence s is that of batch entry s in flash_attn_func (positions count from
+            the sequence's start).
         alibi_slopes: (nheads,) or (nseq, nheads).
+        block_table: int32 (nseq, max_blocks_per_seq) on q's device, or None (k and v packed as above).
+            Sequence b's key j is row j % page_block_size of block block_table[b, j // page_block_size] of
+            k and v; entries past a sequence's last page are never read. Positional after return_attn_probs,
+            as in flash-attn >= 2.6.
         learnable_sink: (nheads,) or None, as in `flash_attn_func`: the same logits for every sequence.
+        seqused_k: int32 (nseq,) on q's device, or None; with block_table only: sequence b has seqused_k[b]
+            keys (its first seqused_k[b] positions in its pages). Without it, cu_seqlens_k[b + 1] -
+            cu_seqlens_k[b]. Each count must lie within 0 .. max_blocks_per_seq * page_block_size, and the
+            pages in use must be blocks of k: checked on CPU tensors; on a GPU the caller's guarantee (the
+            kernel clamps counts and block ids into the caches, so broken values give undefined results but
+            never read outside them).
 
     Returns:
         out (total_q, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) with lse
@@ -146,12 +170,27 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         max_seqlen_q, max_seqlen_k) with sequence s's probabilities at S_dmask[s, :, :len_q, :len_k] (each max at
         least the longest sequence), or None with dropout_p = 0. Rows that see no key (including every row of a
         sequence with no keys) get out 0, lse -inf (with a sink: the sink) and zero gradients for q, k, v; keys of a
-        sequence with no queries get zero gradients.
+        sequence with no queries get zero gradients. With block_table the result carries no gradient.
         The work is proportional to each sequence's own length (programs of short sequences exit early).
 
     Raises:
-        TypeError / ValueError naming the argument and the rule; BackendUnavailableError as for flash_attn_func.
+        TypeError / ValueError naming the argument and the rule, before anything runs; NotImplementedError
+        for seqused_k without block_table, and for a paged call (block_table given) with dropout_p > 0,
+        return_attn_probs=True or while gradients are required of q, k, v or learnable_sink (paged K/V is forward
+        only, as in flash-attn: use torch.no_grad() or torch.inference_mode()); BackendUnavailableError as for
+        flash_attn_func, also for schedules fa1 / fa3 / decode forced on a paged call.
     """
+    if block_table is not None:
+        call = prepare_flash_attn_varlen_paged(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table,
+            seqused_k=seqused_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+            return_attn_probs=return_attn_probs, return_lse=return_lse, learnable_sink=learnable_sink)
+        name, tiles = _dispatch.resolve(call.problem)
+        backend = _dispatch.BACKENDS[name]
+        out, lse = backend.paged_varlen_forward(call, backend.tiles_from_list(tiles))
+        return (out.squeeze(0), lse.float().squeeze(0)) if return_lse else out.squeeze(0)
+    _refuse_seqused_k(seqused_k)
     call = prepare_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -165,6 +204,12 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     # squeeze, not [0]: a view whose backward is a view too (indexing's backward filled a zero tensor and copied the
     # gradient into it, 0.18 ms of a 16 ms packed fwd+bwd step on an H200)
     return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
+
+
+def _refuse_seqused_k(seqused_k) -> None:
+    if seqused_k is not None:
+        raise NotImplementedError("seqused_k is taken with block_table (paged K/V) only; without it, give each "
+                                  "sequence's keys through cu_seqlens_k")
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
@@ -323,7 +368,13 @@ def explain(q: Tensor, k: Tensor, v: Tensor, /, *, api: str = "flash_attn_func",
         if api == "flash_attn_func":
             call = prepare_flash_attn(q, k, v, **options)
         elif api == "flash_attn_varlen_func":
-            call = prepare_flash_attn_varlen(q, k, v, **options)
+            block_table, seqused_k = options.pop("block_table"), options.pop("seqused_k")
+            if block_table is not None:
+                call = prepare_flash_attn_varlen_paged(q, k, v, block_table=block_table, seqused_k=seqused_k,
+                                                       **options)
+            else:
+                _refuse_seqused_k(seqused_k)
+                call = prepare_flash_attn_varlen(q, k, v, **options)
         elif api == "flash_attn_with_kvcache":
             call = prepare_kvcache(q, k, v, options.pop("k"), options.pop("v"), options.pop("cache_seqlens"),
                                    options.pop("block_table"), **options)
@@ -336,7 +387,14 @@ def explain(q: Tensor, k: Tensor, v: Tensor, /, *, api: str = "flash_attn_func",
     lines = [f"backend: {chosen.backend.describe_kernel(p, chosen.tiles)}", f"why: {chosen.reason}"]
     shape = (f"nheads {p.nheads} (nheads_k {p.nheads_k}), headdim {p.headdim}, headdim_v {p.headdim_v}, "
              f"{str(p.dtype).replace('torch.', '')} on {p.device}")
-    if p.kvcache:
+    if p.paged:
+        lines += [
+            f"problem: {p.batch} packed sequences (max_seqlen_q {p.seqlen_q}: a grid hint) against paged K/V "
+            f"({call.page_size}-token pages, up to {call.capacity} keys per sequence through block_table), {shape}",
+            f"scores: scale {p.softmax_scale:.6g}; {p.describe_masking()} (aligned to each sequence's last key)",
+            f"tiles: {chosen.backend.describe_tiles(p, chosen.tiles)}",
+        ]
+    elif p.kvcache:
         layout = "contiguous" if call.block_table is None else f"paged, {call.page_size}-token pages"
         lines += [
             f"problem: batch {p.batch}, seqlen_q {p.seqlen_q}, KV cache of {call.capacity} tokens per sequence "

@@ -35,7 +35,7 @@ from dataclasses import replace
 import torch
 
 from . import torch_impl
-from ._validate import KVCacheCall
+from ._validate import KVCacheCall, PagedVarlenCall
 
 
 def _paged_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,3 +182,31 @@ def attention_over_cache(call: KVCacheCall, tiles: torch_impl.TorchTiles,
         outs.append(out.to(p.dtype))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses).float()
+
+
+def paged_varlen_forward(call: PagedVarlenCall, tiles: torch_impl.TorchTiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch backend of flash_attn_varlen_func with block_table: out (1, total_q, nheads, headdim_v) in q's dtype and
+    lse (1, nheads, total_q) in the accumulation dtype.
+
+    Per sequence, its keys are gathered from the pages through its block-table row (the gather
+    flash_attn_with_kvcache uses) and attended by the dense tiled forward, bottom-right aligned. Reads the offsets
+    and key counts on the host (one synchronisation on a GPU).
+    """
+    p = call.problem
+    q = call.q
+    out = torch.zeros(1, q.shape[1], p.nheads, p.headdim_v, dtype=p.dtype, device=p.device)
+    lse = torch.full((1, p.nheads, q.shape[1]), float("-inf"), dtype=p.accumulation_dtype, device=p.device)
+    starts = call.cu_seqlens_q.tolist()
+    for b, length in enumerate(call.seqlens_k.tolist()):
+        rows = slice(starts[b], starts[b + 1])
+        seqlen_q = rows.stop - rows.start
+        if seqlen_q == 0:
+            continue
+        first, second = _paged_slots(call.block_table[b], torch.arange(length, device=p.device), call.page_size)
+        keys, values = call.k_cache[first, second].unsqueeze(0), call.v_cache[first, second].unsqueeze(0)
+        sequence = replace(p, batch=1, seqlen_q=seqlen_q, seqlen_k=length, diagonal_offset=length - seqlen_q,
+                           varlen=False, paged=False)
+        out[:, rows], lse[:, :, rows] = torch_impl.attention_forward(
+            q[:, rows], keys, values, torch_impl.sequence_slopes(call.alibi_slopes, b), None, sequence, tiles,
+            call.learnable_sink)
+    return out, lse

@@ -318,13 +318,51 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             **flags, **dropout_flags)
         return out, lse
     launch(
-        attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, sink, mask, cu_q, cu_k, rng),
+        attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, sink, mask, cu_q, cu_k, rng, q, q),
         (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k), *_row_strides(out, batch_q),
          lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
-         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars, *dropout_scalars),
+         p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars, *dropout_scalars, *_UNPAGED),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         VARLEN=varlen, RESCALE_THRESHOLD=tiles.rescale_threshold, EXP2_POLY_EVERY=tiles.exp2_poly_every,
         HAS_SINK=p.has_sink, **flags, **dropout_flags)
+    return out, lse
+
+
+# attention_fwd_kernel's block-table scalars when K and V are not paged (stride_table_b, stride_kblock, stride_vblock,
+# page_size, num_blocks, capacity; never read)
+_UNPAGED = (0, 0, 0, 1, 1, 0)
+
+
+def paged_varlen_forward(call, tiles: TritonTiles):
+    """flash_attn_varlen_func with block_table (a validated _validate.PagedVarlenCall): packed queries against paged
+    K/V caches, attention_fwd_kernel with PAGED (forward only). Returns out (1, total_q, nheads, headdim_v) in q's
+    dtype and lse (1, nheads, total_q) float32. Nothing is read back from the GPU.
+
+    The kernel takes the tiles' block_m x block_n, warps and stages (the pointer kernel's: a paged cache has no
+    single descriptor per sequence for the TMA and Gluon forwards) and the fa4 schedule's constexprs."""
+    p = call.problem
+    q, k, v = call.q, call.k_cache, call.v_cache
+    out, lse = _outputs(q, p, True)
+    if out.numel() == 0 or p.batch == 0:
+        return out, lse
+    slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, call.alibi_slopes, None, p)
+    flags = _forward_widths(flags)
+    sink = _sink_arg(q, call.learnable_sink)
+    query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, True), tiles.block_m))
+    grid = _grid(query_programs * p.batch * p.nheads)
+    # cu_seqlens_q stands in for the kernel's CuSeqlensK (its key bounds come from SeqlensK and the block table), q
+    # for its RngState and (0, 1.0) for its dropout scalars (a paged call has no dropout: _validate)
+    cu_q, table = call.cu_seqlens_q, call.block_table
+    launch(
+        attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, sink, mask, cu_q, cu_q, q, table, call.seqlens_k),
+        (*_row_strides(q, 0), 0, k.stride(1), k.stride(2), 0, v.stride(1), v.stride(2), *_row_strides(out, 0),
+         0, lse.stride(1), slopes_stride, *mask_strides, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k,
+         query_programs, *scalars, 0, 1.0, table.stride(0), k.stride(0), v.stride(0), call.page_size, k.shape[0],
+         table.shape[1] * call.page_size),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        VARLEN=True, RESCALE_THRESHOLD=tiles.rescale_threshold, EXP2_POLY_EVERY=tiles.exp2_poly_every,
+        HAS_SINK=p.has_sink, PAGED=True,
+        PAGE_CHUNK=tiles.block_n if call.page_size % tiles.block_n == 0 else 0, **flags)
     return out, lse
 
 
