@@ -15,7 +15,7 @@ import flashtile
 from flashtile.errors import BackendUnavailableError
 from flashtile.reference import flash_attn_varlen_reference
 
-from conftest import DEVICE, assert_close_to_oracle, skip_unsupported
+from conftest import DEVICE, assert_close_to_oracle, assert_exact_to_oracle, skip_unsupported
 
 # per-sequence (query length, key length): ragged key lengths (1, 7, 113), queries fewer and more than keys, a
 # sequence without queries and one without keys
@@ -105,6 +105,17 @@ def test_paged_follows_the_oracle(backend, dtype, page_size, scenario, seed):
     with _tiles(backend):
         got = _paged(x, return_lse=True, **kwargs)
     _assert_follows_the_oracle(got, x, dtype, seed, **kwargs)
+
+
+def test_float64_is_exact_on_the_torch_backend(seed):
+    """The torch backend in float64 equals the oracle to rounding (lse to float32's), every option on."""
+    x = paged_inputs(LENGTHS, 16, torch.float64)
+    kwargs = SCENARIOS["everything"](len(LENGTHS))
+    with flashtile.use_backend("torch", block_q=7, block_k=13):
+        out, lse = _paged(x, return_lse=True, **kwargs)
+    ref_out, ref_lse = _oracle(x, **kwargs)
+    assert_exact_to_oracle("out", out, ref_out, seed)
+    assert_exact_to_oracle("lse", lse, ref_lse, seed, tol=1e-5)
 
 
 @pytest.mark.parametrize("keys", ("seqused_k only", "seqused_k and cu_seqlens_k", "cu_seqlens_k only"))
