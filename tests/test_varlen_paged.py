@@ -207,12 +207,16 @@ def _break(x, what):
         return dict(x, v_cache=x["v_cache"][:-1]), {}, ValueError, "must agree in (num_blocks"
     if what == "gradients":
         return dict(x, q=x["q"].clone().requires_grad_()), {}, NotImplementedError, "forward only"
+    if what == "dropout":
+        return x, {"dropout_p": 0.1}, NotImplementedError, "forward-only inference: it takes dropout_p = 0"
+    if what == "attention probabilities":
+        return x, {"return_attn_probs": True}, NotImplementedError, "return_attn_probs=False"
     raise AssertionError(what)
 
 
 BROKEN = ("block id past the cache", "negative block id", "int64 block_table", "block_table rows", "int64 seqused_k",
           "seqused_k shape", "keys past the table", "no key counts", "page size", "packed k", "k and v blocks",
-          "gradients")
+          "gradients", "dropout", "attention probabilities")
 
 
 @pytest.mark.parametrize("what", BROKEN)
