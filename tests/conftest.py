@@ -192,3 +192,17 @@ def assert_attention_follows_the_eager_rule(got, want, eager, inputs, dtype, see
         assert_close_to_oracle(name, g, w, e, dtype, seed)
         bounds[name] = eager_rule_bound(w, e, dtype)
     return grads[0], (grad_out, grad_lse), bounds
+
+
+# The files whose module set-up compiles kernels for sm_90, and the largest parametrisations: collected first, so that
+# pytest-xdist (--dist loadfile hands whole files to the workers in collection order) starts them first and the run
+# does not end with one worker on a long file while the other idles.
+LONG_FILES = ("test_gluon_compile.py", "test_triton_compile.py", "test_kvcache.py", "test_flash_attn.py",
+              "test_varlen.py", "test_triton_schedules.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+    items.sort(key=rank)  # stable: the order within each file is kept
