@@ -159,6 +159,7 @@ class _Ring:
         one batch_isend_irecv call of 2 * len(tensors) operations, tagged tag, tag + 1, ... (K/V shards and
         gradient accumulators use different tags, so transfers of one kind never match receives of the other).
         Returns the receive buffers and the requests."""
+        tensors = [t.contiguous() for t in tensors]   # gloo and NCCL send whole contiguous buffers
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag + i) for i, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i) for i, t in enumerate(received)]
