@@ -69,13 +69,13 @@ class _CountingP2P:
         return counts
 
 
-def _run_case(name, rank, world, counter):
+def _run_case(name, rank, world, counter, group=None):
     _, layout, causal, *_ = CASES[name]
     shard = SHARD[layout]
     q, k, v, grad_out, grad_lse = (t.float() for t in _full_inputs(name, world))
     q, k, v = (shard(t, rank, world).requires_grad_() for t in (q, k, v))
     counter.take()
-    out, lse = ring_flash_attn_func(q, k, v, causal=causal, layout=layout, return_lse=True)
+    out, lse = ring_flash_attn_func(q, k, v, group=group, causal=causal, layout=layout, return_lse=True)
     forward_counts = counter.take()
     loss = (out * shard(grad_out, rank, world)).sum() + (lse * shard(grad_lse, rank, world, dim=2)).sum()
     loss.backward()
@@ -118,6 +118,12 @@ def _worker(rank, world, init_file, results_file):
                     results[name] = _run_bad_case(name, rank, world)
                 # the group still works after the refusals
                 results["after-refusals"] = _run_case("full", rank, world, counter)
+            if world == 4:
+                # a ring over a subgroup: its ranks 0 and 1 are the global ranks 1 and 3
+                subgroup = dist.new_group([1, 3])
+                if rank in (1, 3):
+                    results["subgroup"] = _run_case("causal-zigzag", dist.get_rank(subgroup), 2, counter,
+                                                    group=subgroup)
     except Exception:
         results["error"] = traceback.format_exc()
         raise
@@ -192,6 +198,11 @@ def _check_against_oracle(name, world, layout, causal, shards):
         assert got[key].dtype == torch.float32, f"{key}: dtype {got[key].dtype}"
         assert_close_to_oracle(f"{name}, world {world}: {key}", got[key], want[key].detach(), eager[key].detach(),
                                torch.float32, seed=f"{name}-{world}")
+
+
+def test_ring_over_a_subgroup(tmp_path_factory):
+    per_rank = _results(4, tmp_path_factory)
+    _check_against_oracle("causal-zigzag", 2, "zigzag", True, [per_rank[1]["subgroup"], per_rank[3]["subgroup"]])
 
 
 @pytest.mark.parametrize("world", (2, 4))
