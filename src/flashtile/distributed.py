@@ -129,14 +129,14 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Process
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if tuple(int(w) for w in window_size) != (-1, -1):
-        raise NotImplementedError(f"ring_flash_attn_func supports no sliding window yet (window_size={tuple(window_size)}"
-                                  "); pass (-1, -1)")
+        raise NotImplementedError("ring_flash_attn_func supports no sliding window yet "
+                                  f"(window_size={tuple(window_size)}); pass (-1, -1)")
     if alibi_slopes is not None:
         raise NotImplementedError("ring_flash_attn_func does not take alibi_slopes yet; pass None")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     ring = _Ring(group)
-    _check_shapes_collectively(q, k, v, ring, layout, causal)
+    _check_shapes_collectively(q, k, v, ring, layout)
     out, lse = _RingAttention.apply(q, k, v, ring, causal, float(softmax_scale), float(softcap), layout)
     return (out, lse) if return_lse else out
 
@@ -166,11 +166,12 @@ class _Ring:
         return received, dist.batch_isend_irecv(ops)
 
 
-def _check_shapes_collectively(q, k, v, ring: _Ring, layout: str, causal: bool) -> None:
+def _check_shapes_collectively(q, k, v, ring: _Ring, layout: str) -> None:
+    # one row per rank: the tensors' dims, their shapes (padded or cut to 4 dims), the three dtypes
     dims = [q.dim(), k.dim(), v.dim()]
-    shape = lambda t: list(t.shape) + [0] * (4 - t.dim()) if t.dim() <= 4 else list(t.shape[:4])  # noqa: E731
+    shapes = [size for t in (q, k, v) for size in (list(t.shape) + [0] * 4)[:4]]
     dtypes = [_DTYPE_CODES.get(t.dtype, -1) for t in (q, k, v)]
-    mine = torch.tensor(dims + shape(q) + shape(k) + shape(v) + dtypes, dtype=torch.int64, device=q.device)
+    mine = torch.tensor(dims + shapes + dtypes, dtype=torch.int64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(ring.world)]
     dist.all_gather(every, mine, group=ring.group)
     rows = [r.tolist() for r in every]
