@@ -13,12 +13,14 @@ Public API:
     schedules                      the Triton backend's schedules (fa1, fa2, fa3, fa4, decode) and where each runs
     reference                      the float64 oracle (dense; for checking only)
     nn                             torch.nn modules: MultiheadAttention (drop-in for torch's), Attention
+    distributed                    ring attention over torch.distributed (ring_flash_attn_func) and the
+                                   contiguous / zigzag sequence sharding helpers
 
 Integrations (imported on their own):
     flashtile.integrations.transformers   attn_implementation="flashtile" in Hugging Face transformers
 """
 
-from . import nn, reference
+from . import distributed, nn, reference
 from ._dispatch import use_backend
 from ._schedules import Schedule, schedules
 from .errors import BackendUnavailableError, KernelCompileError
@@ -33,6 +35,7 @@ __all__ = [
     "BackendUnavailableError",
     "Explanation",
     "KernelCompileError",
+    "distributed",
     "explain",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

@@ -1,0 +1,252 @@
+"""flashtile.distributed: ring attention over gloo, in 2 and 4 spawned processes on the CPU.
+
+One spawn per world size runs every case (process start-up dominates the time); each rank saves its shard of out,
+lse, dq, dk, dv and the point-to-point operations it posted. The parent process puts the shards back together and
+checks them against the float64 oracle on the gathered sequence by the eager rule: the ring's float32 error is at
+most 2 x the error of flashtile's single-process float32 attention (torch backend) + a rounding floor
+(conftest.assert_close_to_oracle). The processes meet through a file:// rendezvous in tmp_path (no network
+port), every collective has a 30 s timeout and the parent stops waiting after 120 s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashtile
+from conftest import assert_close_to_oracle
+from flashtile.distributed import (contiguous_shard, contiguous_unshard, ring_flash_attn_func, zigzag_shard,
+                                   zigzag_unshard)
+from flashtile.reference import flash_attn_reference
+
+BATCH, SEQLEN_LOCAL, HEADDIM = 2, 8, 16
+SHARD = {"contiguous": contiguous_shard, "zigzag": zigzag_shard}
+UNSHARD = {"contiguous": contiguous_unshard, "zigzag": zigzag_unshard}
+
+# name: (world sizes, layout, causal, nheads, nheads_k, headdim_v)
+CASES = {
+    "full": ((2, 4), "contiguous", False, 2, 2, HEADDIM),
+    "causal-contiguous": ((2, 4), "contiguous", True, 2, 2, HEADDIM),
+    "causal-zigzag": ((2, 4), "zigzag", True, 2, 2, HEADDIM),
+    "gqa-causal-zigzag": ((2,), "zigzag", True, 2, 1, 8),
+    "gqa-full": ((4,), "contiguous", False, 2, 1, HEADDIM),
+}
+BAD_CASES = ("uneven-seqlen", "q-k-mismatch-on-one-rank", "zigzag-odd-seqlen")
+
+
+def _full_inputs(name: str, world: int):
+    """The gathered sequence of a case and the cotangents of out and lse, drawn alike in every process."""
+    _, _, _, nheads, nheads_k, headdim_v = CASES[name]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}-{world}".encode()))
+    seqlen = world * SEQLEN_LOCAL
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+    q, k, v = (draw(BATCH, seqlen, nheads, HEADDIM), draw(BATCH, seqlen, nheads_k, HEADDIM),
+               draw(BATCH, seqlen, nheads_k, headdim_v))
+    return q, k, v, draw(BATCH, seqlen, nheads, headdim_v), draw(BATCH, nheads, seqlen)
+
+
+class _CountingP2P:
+    """Wraps dist.batch_isend_irecv: how many calls and operations (isend/irecv of one tensor each) were posted."""
+
+    def __init__(self, original):
+        self.original, self.calls, self.ops = original, 0, 0
+
+    def __call__(self, ops):
+        self.calls += 1
+        self.ops += len(ops)
+        return self.original(ops)
+
+    def take(self):
+        counts, self.calls, self.ops = (self.calls, self.ops), 0, 0
+        return counts
+
+
+def _run_case(name, rank, world, counter, group=None):
+    _, layout, causal, *_ = CASES[name]
+    shard = SHARD[layout]
+    q, k, v, grad_out, grad_lse = (t.float() for t in _full_inputs(name, world))
+    q, k, v = (shard(t, rank, world).requires_grad_() for t in (q, k, v))
+    counter.take()
+    out, lse = ring_flash_attn_func(q, k, v, group=group, causal=causal, layout=layout, return_lse=True)
+    forward_counts = counter.take()
+    loss = (out * shard(grad_out, rank, world)).sum() + (lse * shard(grad_lse, rank, world, dim=2)).sum()
+    loss.backward()
+    backward_counts = counter.take()
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "forward_p2p": forward_counts, "backward_p2p": backward_counts}
+
+
+def _run_bad_case(name, rank, world):
+    nheads = 2
+    seqlen = SEQLEN_LOCAL
+    if name == "uneven-seqlen" and rank == 1:
+        seqlen = SEQLEN_LOCAL // 2
+    if name == "zigzag-odd-seqlen":
+        seqlen = SEQLEN_LOCAL - 1
+    q = torch.randn(BATCH, seqlen, nheads, HEADDIM)
+    k = torch.randn(BATCH, seqlen + (1 if name == "q-k-mismatch-on-one-rank" and rank == 0 else 0), nheads, HEADDIM)
+    v = torch.randn(k.shape)
+    layout = "zigzag" if name == "zigzag-odd-seqlen" else "contiguous"
+    try:
+        ring_flash_attn_func(q, k, v, causal=True, layout=layout)
+    except ValueError as error:
+        return f"ValueError: {error}"
+    return "no error"
+
+
+def _worker(rank, world, init_file, results_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    counter = _CountingP2P(dist.batch_isend_irecv)
+    dist.batch_isend_irecv = counter
+    results = {}
+    try:
+        with flashtile.use_backend("torch"):
+            for name, (worlds, *_) in CASES.items():
+                if world in worlds:
+                    results[name] = _run_case(name, rank, world, counter)
+            if world == 2:
+                for name in BAD_CASES:
+                    results[name] = _run_bad_case(name, rank, world)
+                # the group still works after the refusals
+                results["after-refusals"] = _run_case("full", rank, world, counter)
+            if world == 4:
+                # a ring over a subgroup: its ranks 0 and 1 are the global ranks 1 and 3
+                subgroup = dist.new_group([1, 3])
+                if rank in (1, 3):
+                    results["subgroup"] = _run_case("causal-zigzag", dist.get_rank(subgroup), 2, counter,
+                                                    group=subgroup)
+    except Exception:
+        results["error"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, f"{results_file}.{rank}")
+        dist.batch_isend_irecv = counter.original
+    dist.destroy_process_group()
+
+
+_RESULTS: dict[int, list[dict] | str] = {}
+
+
+def _results(world, tmp_path_factory) -> list[dict]:
+    """Every case's results on every rank of a ring of `world` processes (run once per world size; a failed run
+    fails every test that reads it, without running again)."""
+    if world not in _RESULTS:
+        try:
+            _RESULTS[world] = _spawn_ring(world, tmp_path_factory)
+        except Exception as error:
+            _RESULTS[world] = f"the ring of {world} processes failed: {error}"
+    if isinstance(_RESULTS[world], str):
+        pytest.fail(_RESULTS[world], pytrace=False)
+    return _RESULTS[world]
+
+
+def _spawn_ring(world, tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp(f"ring{world}")
+    results_file = folder / "results"
+    context = mp.start_processes(_worker, args=(world, str(folder / "rendezvous"), str(results_file)),
+                                 nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            raise TimeoutError(f"the ring of {world} processes did not finish within 120 s (a hang)")
+    return [torch.load(f"{results_file}.{rank}", weights_only=False) for rank in range(world)]
+
+
+RING_CASES = [(name, world) for name, (worlds, *_) in CASES.items() for world in worlds]
+
+
+@pytest.mark.parametrize("name,world", RING_CASES, ids=[f"{n}-w{w}" for n, w in RING_CASES])
+def test_ring_matches_single_process_attention(name, world, tmp_path_factory):
+    _, layout, causal, *_ = CASES[name]
+    per_rank = _results(world, tmp_path_factory)
+    _check_against_oracle(name, world, layout, causal, [r[name] for r in per_rank])
+
+
+def test_ring_still_works_after_refusals(tmp_path_factory):
+    per_rank = _results(2, tmp_path_factory)
+    _check_against_oracle("full", 2, "contiguous", False, [r["after-refusals"] for r in per_rank])
+
+
+def _check_against_oracle(name, world, layout, causal, shards):
+    unshard = UNSHARD[layout]
+    got = {key: unshard([s[key] for s in shards], dim=2 if key == "lse" else 1)
+           for key in ("out", "lse", "dq", "dk", "dv")}
+    q, k, v, grad_out, grad_lse = _full_inputs(name, world)
+    inputs64 = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = flash_attn_reference(*inputs64, causal=causal)
+    want = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
+        (want_out * grad_out).sum() + (want_lse * grad_lse).sum(), inputs64)), out=want_out, lse=want_lse)
+    inputs32 = [t.float().requires_grad_() for t in (q, k, v)]
+    with flashtile.use_backend("torch"):
+        eager_out, eager_lse = flashtile.flash_attn_func(*inputs32, causal=causal, return_lse=True)
+    eager = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
+        (eager_out * grad_out.float()).sum() + (eager_lse * grad_lse.float()).sum(), inputs32)),
+        out=eager_out, lse=eager_lse)
+    for key in ("out", "lse", "dq", "dk", "dv"):
+        assert got[key].dtype == torch.float32, f"{key}: dtype {got[key].dtype}"
+        assert_close_to_oracle(f"{name}, world {world}: {key}", got[key], want[key].detach(), eager[key].detach(),
+                               torch.float32, seed=f"{name}-{world}")
+
+
+def test_ring_over_a_subgroup(tmp_path_factory):
+    per_rank = _results(4, tmp_path_factory)
+    _check_against_oracle("causal-zigzag", 2, "zigzag", True, [per_rank[1]["subgroup"], per_rank[3]["subgroup"]])
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_point_to_point_operations_per_call(world, tmp_path_factory):
+    """The forward posts W - 1 batches (K and V out, K and V in: 4 operations each); the backward runs the K/V ring
+    again and sends the dK/dV accumulators around it: 2 (W - 1) batches of 4."""
+    for rank, results in enumerate(_results(world, tmp_path_factory)):
+        for name, (worlds, *_) in CASES.items():
+            if world not in worlds:
+                continue
+            assert results[name]["forward_p2p"] == (world - 1, 4 * (world - 1)), \
+                f"{name}, rank {rank}: forward (calls, ops) {results[name]['forward_p2p']}"
+            assert results[name]["backward_p2p"] == (2 * (world - 1), 8 * (world - 1)), \
+                f"{name}, rank {rank}: backward (calls, ops) {results[name]['backward_p2p']}"
+
+
+@pytest.mark.parametrize("name,expected", [("uneven-seqlen", "same shapes"),
+                                           ("q-k-mismatch-on-one-rank", "must share batch and seqlen_local"),
+                                           ("zigzag-odd-seqlen", "(odd)")])
+def test_bad_shapes_raise_on_every_rank(name, expected, tmp_path_factory):
+    for rank, results in enumerate(_results(2, tmp_path_factory)):
+        message = results[name]
+        assert message.startswith("ValueError") and expected in message, f"rank {rank}: {message}"
+
+
+@pytest.mark.parametrize("world", (1, 2, 3, 4))
+def test_sharding_round_trips(world):
+    x = torch.arange(2 * 2 * world * 3 * 2).reshape(2, 2 * world * 3, 2)
+    assert torch.equal(contiguous_unshard([contiguous_shard(x, r, world) for r in range(world)]), x)
+    assert torch.equal(zigzag_unshard([zigzag_shard(x, r, world) for r in range(world)]), x)
+    chunks = x.chunk(2 * world, dim=1)
+    for r in range(world):
+        assert torch.equal(zigzag_shard(x, r, world), torch.cat([chunks[r], chunks[2 * world - 1 - r]], dim=1))
+    with pytest.raises(ValueError, match="does not split"):
+        zigzag_shard(x[:, :-1], 0, world)
+    with pytest.raises(ValueError, match="rank"):
+        contiguous_shard(x, world, world)
+
+
+def test_unsupported_arguments_are_refused_before_communicating():
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="layout"):
+        ring_flash_attn_func(q, q, q, layout="striped")
+    with pytest.raises(NotImplementedError, match="window"):
+        ring_flash_attn_func(q, q, q, window_size=(2, 0))
+    with pytest.raises(NotImplementedError, match="alibi"):
+        ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
