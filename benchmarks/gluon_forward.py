@@ -11,6 +11,8 @@ times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's T
                                                       # each setting against the Triton forward, same call
     python benchmarks/gluon_forward.py reruns N [SETTING]  # N reruns of a few shapes: no NaN, no changed bit
     python benchmarks/gluon_forward.py reruns-packed N  # the same for a packed batch
+    python benchmarks/gluon_forward.py reruns-table N CELLS  # N reruns of grid cells (like d64n1024c1) in the
+                                                      # table's setting
     python benchmarks/gluon_forward.py small [SETTINGS]  # small cases of every setting (or of SETTINGS), for
                                                       # compute-sanitizer
     python benchmarks/gluon_forward.py compile-time   # the first call's wall time (with an empty Triton cache)
@@ -368,6 +370,33 @@ def reruns(count: int, tile=launch.GluonTile()) -> bool:
     return ok
 
 
+def reruns_table(count: int, cells) -> bool:
+    """`count` reruns of each grid cell (like d64n1024c1; the grid's shapes) in the setting the tile table takes for
+    it: no NaN, no changed bit. The comparisons stay on the GPU (one synchronisation per 1,000 reruns)."""
+    ok = True
+    for seed, (d, n, causal) in enumerate(cells):
+        batch, heads = 16384 // n, 2048 // d
+        q, k, v = _inputs(batch, n, n, heads, heads, d, d, torch.bfloat16, seed=seed)
+        problem = problem_of(q, k, v, causal=causal)
+        tile = default_tiles(problem, (9, 0)).gluon_tile
+        assert default_tiles(problem, (9, 0)).forward_schedule == 3, "the table runs the Triton forward here"
+        out0, lse0 = gluon(q, k, v, tile=tile, causal=causal)
+        changed = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        start = time.time()
+        for i in range(count):
+            out, lse = gluon(q, k, v, tile=tile, causal=causal)
+            changed += (out.view(torch.int16) != out0.view(torch.int16)).any() | (
+                lse.view(torch.int32) != lse0.view(torch.int32)).any()
+            if i % 1000 == 999:
+                torch.cuda.synchronize()
+        bad = int(changed)
+        nan = bool(torch.isnan(out0).any() or torch.isnan(lse0).any())
+        print(f"reruns-table d{d}n{n}c{int(causal)} {_name(tile)}: {count} runs, {bad} changed, nan {nan}, "
+              f"{time.time() - start:.1f} s", flush=True)
+        ok &= bad == 0 and not nan
+    return ok
+
+
 def reruns_packed(count: int) -> bool:
     """`count` reruns of a packed batch (mixed lengths, d = 128, causal, the table's setting): no NaN, no changed
     bit."""
@@ -552,5 +581,7 @@ if __name__ == "__main__":
         sys.exit(0 if reruns(int(sys.argv[2]), *_variants(sys.argv[3])[:1] if len(sys.argv) > 3 else ()) else 1)
     if mode == "compile-time":
         compile_time()
+    if mode == "reruns-table":
+        sys.exit(0 if reruns_table(int(sys.argv[2]), _cells(sys.argv[3])) else 1)
     if mode == "reruns-packed":
         sys.exit(0 if reruns_packed(int(sys.argv[2])) else 1)

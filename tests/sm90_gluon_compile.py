@@ -50,6 +50,9 @@ def table_problems():
         ("bf16 d128 dv64 n1024", problem_for(1024, 1024, 128, 64, torch.bfloat16, False)),
         ("fp16 d128 softcap n1024", dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.float16, False),
                                                         softcap=30.0)),
+        # a learnable sink joins each row's statistics in the epilogue
+        ("bf16 d128 sink causal", problem_for(4096, 4096, 128, 128, torch.bfloat16, True, sink=True)),
+        ("bf16 d64 sink causal n1024", problem_for(1024, 1024, 64, 64, torch.bfloat16, True, sink=True)),
     ]
     # packed batches (the table takes the Gluon forward for them at d = 128)
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
@@ -118,11 +121,12 @@ def recorded_gluon_launch(problem, tile):
     cu = ([torch.arange(p.batch + 1, dtype=torch.int32) * n for n in (p.seqlen_q, p.seqlen_k)] if p.varlen
           else [None, None])
     slopes = torch.ones(1, p.nheads) if p.has_alibi else None
+    sink = torch.zeros(p.nheads) if p.has_sink else None
     saved = launchers._sm_count
     launchers._sm_count = lambda device: 132  # an H200's SMs: the persistent grid's size
     try:
         with recorded_launches() as recorded:
-            launchers.forward_gluon(q, k, v, slopes, p, tile, *cu)
+            launchers.forward_gluon(q, k, v, slopes, p, tile, *cu, learnable_sink=sink)
     finally:
         launchers._sm_count = saved
     (launch,) = recorded
@@ -171,7 +175,7 @@ def recorded_gluon_backward_launch(problem, overlap=False):
 
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
          "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "EXP2_EMULATED", "ACROSS_TILES", "CONSUMER_REGISTERS",
-         "maxnreg")
+         "HAS_SINK", "maxnreg")
 
 
 def ptxas_report(ptx: str) -> dict:

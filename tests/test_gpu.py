@@ -52,7 +52,7 @@ def test_triton_realistic_shapes(case, dtype, seed):
                                             seed)
 
 
-# A learnable sink through the tile table's kernels: the TMA forward on sm_90 (the Gluon forward turns sinks away) and
+# A learnable sink through the tile table's kernels: the Gluon forward on sm_90 (the sink joined in its epilogue) and
 # the table's backward, with rows that see no key (causal, seqlen_q > seqlen_k) and ragged ends past 4k
 SINK_CASES = {
     "d128-gqa-causal": ((2, 2048, 2048, 16, 4, 128, 128), {"causal": True}),
@@ -117,6 +117,12 @@ GLUON_CASES = {
     # causal with every row seeing a key (where gluon_across_tiles serves a band), more tiles than SMs
     "d64-causal-gqa8-many-tiles": ((8, 1000, 1000, 16, 2, 64, 64), {"causal": True}),
     "d128-causal-long-k-many-tiles": ((4, 900, 1000, 16, 4, 128, 128), {"causal": True}),
+    # a learnable sink (joined in the epilogue): rows that see no key (out 0, lse = the sink; one head's sink -inf,
+    # whose such rows keep lse -inf), many tiles started under the last one's P V, a window with softcap
+    "sink-causal-masked-rows": ((1, 1023, 113, 8, 1, 128, 128), {"causal": True, "sink": True}),
+    "d64-sink-causal-gqa8-many-tiles": ((8, 1000, 1000, 16, 2, 64, 64), {"causal": True, "sink": True}),
+    "d128-sink-window-softcap": ((2, 700, 650, 4, 4, 128, 128), {"window_size": (100, 50), "softcap": 30.0,
+                                                                 "sink": True}),
 }
 
 
@@ -151,6 +157,9 @@ def test_gluon_forward_follows_the_oracle_and_repeats_its_bits(case, settings, s
     kwargs = dict(options)
     if kwargs.pop("alibi", False):
         kwargs["alibi_slopes"] = torch.rand(shape[3], device=DEVICE) * 0.1
+    if kwargs.pop("sink", False):
+        kwargs["learnable_sink"] = (torch.randn(shape[3], device=DEVICE) + 1.0).index_fill_(
+            0, torch.tensor([0], device=DEVICE), float("-inf"))
     q, k, v = random_qkv(*shape, torch.bfloat16)
     with flashtile.use_backend("triton", forward_schedule=3, **settings):
         assert "attention_fwd_gluon_kernel" in flashtile.explain(q, k, v, **kwargs)
@@ -232,6 +241,8 @@ GLUON_PACKED_CASES = {
     "d64-mixed-causal": (([300, 1, 77, 1029, 64, 200], [300, 1, 77, 1029, 64, 200]), (4, 2, 64, 64),
                          {"causal": True}),
     "d64-inf-next-door": (([100, 300, 70], [100, 300, 70]), (4, 4, 64, 64), {"poison": 1}),
+    "sink-mixed-causal-rect": (([130, 0, 500, 7, 700], [70, 33, 600, 0, 900]), (8, 2, 128, 128),
+                               {"causal": True, "sink": True}),
 }
 GLUON_PACKED_PARAMS = [pytest.param(case, settings, id=f"{case_id}-{settings_id}")
                        for case_id, case in GLUON_PACKED_CASES.items()
@@ -246,6 +257,8 @@ def test_gluon_forward_of_packed_batches_follows_the_oracle(case, settings, seed
     (lengths_q, lengths_k), (heads, heads_k, d, dv), options = case
     kwargs = dict(options)
     poison = kwargs.pop("poison", None)
+    if kwargs.pop("sink", False):
+        kwargs["learnable_sink"] = torch.randn(heads, device=DEVICE) + 1.0
     dtype = torch.bfloat16
     q = torch.randn(sum(lengths_q), heads, d, dtype=torch.float64).to(DEVICE, dtype)
     k = torch.randn(sum(lengths_k), heads_k, d, dtype=torch.float64).to(DEVICE, dtype)

@@ -124,10 +124,6 @@ def gluon_shared_bytes(problem: AttentionProblem, tile: GluonTile) -> int:
     return _gluon_bytes(problem, tile, gluon_shares_qo(problem, tile))
 
 
-# Why neither Gluon kernel serves a call with a learnable sink (checked first: it holds on every platform).
-SINK_REASON = "a learnable sink (learnable_sink) runs the Triton kernels (the Gluon kernels do not take one)"
-
-
 def _gluon_platform_reason(p: AttentionProblem) -> str:
     """Why no Gluon kernel serves `p` on this process's Triton and GPU ('' where one may): no Gluon, another Triton
     release, the interpreter or another GPU, another dtype, an attn_mask."""
@@ -167,8 +163,6 @@ def gluon_backward_unserved_reason(problem: AttentionProblem, overlap: bool = Fa
     with the intra-warpgroup overlap where `overlap` (gluon_backward_overlap); the tensors' alignment is checked at
     launch."""
     p = problem
-    if p.has_sink:
-        return SINK_REASON
     if p.dropout_p > 0:  # a property of the call, reported before the platform's reasons
         return "dropout runs the Triton backward (the Gluon dK/dV kernel has no dropout)"
     reason = _gluon_platform_reason(p)
@@ -220,8 +214,6 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     """Why the Gluon forward does not serve `problem` ('' where it does); the tensors' alignment is checked at
     launch (launch.gluon_unserved)."""
     p = problem
-    if p.has_sink:
-        return SINK_REASON
     if p.dropout_p > 0:  # a property of the call, reported before the platform's reasons
         return "dropout runs the Triton kernels (the Gluon forward has no dropout)"
     reason = _gluon_platform_reason(p)

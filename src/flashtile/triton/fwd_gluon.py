@@ -44,7 +44,8 @@ run past the end stores its output by masked pointer stores instead of TMA.
 
 What it serves: fp16 / bf16, head dims whose padded widths are 64 or 128 (q/k and v apart) or 256 (d = dv),
 dense and packed batches, causal (bottom-right) and sliding windows with block skipping, GQA/MQA by head
-arithmetic, softcap, ALiBi, the lse. The launcher (launch.py) sends everything else to the Triton kernels, and
+arithmetic, softcap, ALiBi, a learnable sink (joined to each row's statistics in the epilogue), the lse. The
+launcher (launch.py) sends everything else to the Triton kernels, and
 explain() says why (configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
 """
 
@@ -198,7 +199,7 @@ if AVAILABLE:
         (nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs, waves,
          extra) = sizes
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
-        Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        Lse, Slopes, Sink, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
         it = 0
         tiles_done = 0
         first, count = _tiles_of_this_cta(programs, waves, extra, TileStarts, TILE_LIST)
@@ -350,16 +351,28 @@ if AVAILABLE:
 
     @gluon.jit
     def _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout: gl.constexpr,
-                     VARLEN: gl.constexpr):
-        """A tile's epilogue for one consumer's 64 rows from row0 of its sequence: normalise once (one reciprocal per
-        row; rows that saw no key give out 0 and lse -inf), store the lse rows and the output rows (_store_rows)."""
+                     VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+        """A tile's epilogue for one consumer's 64 rows from row0 of its sequence: with HAS_SINK, the sink's term
+        joins each row's statistics; normalise once (one reciprocal per row; rows that saw no key give out 0 and lse
+        -inf, or with a sink the sink), store the lse rows and the output rows (_store_rows)."""
         batch, q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence
-        Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        Lse, Slopes, Sink, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
         l_o = gl.convert_layout(l_i, o_row_layout)
+        m_o = gl.convert_layout(m_i, o_row_layout)
+        keys_share = 1.0
+        if HAS_SINK:
+            # the sink (a natural-log logit, base 2 here) is one more term of the denominator, added once after the
+            # keys (the Triton forwards start from it instead): the key loop and its registers stay as without one
+            sink = gl.load(Sink + h).to(gl.float32) * 1.4426950408889634
+            m_new = gl.maximum(m_o, sink)
+            # a row without a key and a sink of -inf keeps max -inf: shifted by 0, exp2 gives 0, not NaN
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            keys_share = gl.exp2(m_o - m_shift)
+            l_o = l_o * keys_share + gl.exp2(sink - m_shift)
+            m_o = m_new
         seen = l_o > 0
         l_safe = gl.where(seen, l_o, 1.0)
-        out = acc * gl.where(seen, 1.0 / l_safe, 0.0)[:, None]
-        m_o = gl.convert_layout(m_i, o_row_layout)
+        out = acc * gl.where(seen, keys_share / l_safe, 0.0)[:, None]
         lse = gl.where(seen, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         rows = row0 + gl.arange(0, 64, layout=o_row_layout)
         gl.store(Lse + batch.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + q_start + rows, lse,
@@ -502,7 +515,8 @@ if AVAILABLE:
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
-                  VARLEN: gl.constexpr, ACROSS_TILES: gl.constexpr, EXP2_EMULATED: gl.constexpr, WG: gl.constexpr):
+                  VARLEN: gl.constexpr, ACROSS_TILES: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                  HAS_SINK: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup WG (0 .. BLOCK_M / 64 - 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = smem
@@ -510,7 +524,7 @@ if AVAILABLE:
         (nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs, waves,
          extra) = sizes
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
-        Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
+        Lse, Slopes, Sink, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
         CONSUMERS: gl.constexpr = BLOCK_M // 64
         Q_BUFFERS: gl.constexpr = 1 + ACROSS_TILES
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -665,7 +679,8 @@ if AVAILABLE:
                         # not reached (there every tile sees a key); assigned so that this branch, too, leaves no
                         # earlier P held through the tile
                         next_p_op, next_m, next_l = _nothing_carried(next_p_op, next_m, next_l)
-                _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout, VARLEN)
+                _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout, VARLEN,
+                             HAS_SINK)
                 if SHARE_QO:
                     # the output was staged in the query rows' buffer: free it once the store has read it
                     tma.store_wait(0)
@@ -676,7 +691,8 @@ if AVAILABLE:
 
     @gluon.jit
     def attention_fwd_gluon_kernel(
-        q_desc, k_desc, v_desc, o_desc, o8_desc, Lse, Slopes, TileList, TileStarts, CuSeqlensQ, CuSeqlensK, Out,
+        q_desc, k_desc, v_desc, o_desc, o8_desc, Lse, Slopes, Sink, TileList, TileStarts, CuSeqlensQ, CuSeqlensK,
+        Out,
         stride_lse_b, stride_lse_h, stride_slopes_b, stride_om, headdim_v,
         nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs, waves,
         extra,
@@ -685,7 +701,7 @@ if AVAILABLE:
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
         SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr,
         SHARE_QO: gl.constexpr, VARLEN: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-        ACROSS_TILES: gl.constexpr,
+        ACROSS_TILES: gl.constexpr, HAS_SINK: gl.constexpr,
     ):
         CONSUMERS: gl.constexpr = BLOCK_M // 64
         gl.static_assert(CONSUMERS * 64 == BLOCK_M and CONSUMERS >= 1 and CONSUMERS <= 3,
@@ -734,7 +750,7 @@ if AVAILABLE:
         sizes = (nheads, group_size, seqlen_q, seqlen_k, query_blocks, batch_heads, group_heads, group_tiles, programs,
                  waves, extra)
         score_args = (score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right)
-        stats = (Lse, Slopes, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b)
+        stats = (Lse, Slopes, Sink, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b)
         packing = (CuSeqlensQ, CuSeqlensK, Out, o8_desc, stride_om, headdim_v)
         # the default partition (num_warps = 4 warps) loads; the consumers are workers of 4 warps each. Workaround
         # (triton 3.6.0, 2026-12-01): the functions that a default partition calls get no warp count, so it cannot
@@ -749,7 +765,7 @@ if AVAILABLE:
                              TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, 0)),
             ], [4], [CONSUMER_REGISTERS])
         elif CONSUMERS == 2:
             gl.warp_specialize([
@@ -758,10 +774,10 @@ if AVAILABLE:
                              TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, 0)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, 1)),
             ], [4, 4], [CONSUMER_REGISTERS] * 2)
         else:
             gl.warp_specialize([
@@ -770,11 +786,11 @@ if AVAILABLE:
                              TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, 0)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, 1)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, 2)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, 2)),
             ], [4, 4, 4], [CONSUMER_REGISTERS] * 3)

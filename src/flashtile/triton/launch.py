@@ -4,9 +4,9 @@ Layout contract (shared with the torch backend): q (batch, seqlen_q, nheads, hea
 (batch, seqlen_k, nheads_k, headdim[_v]) with unit-stride last dims and any other strides;
 out (batch, seqlen_q, nheads, headdim_v) and gradients are returned contiguous in the inputs'
 dtype; lse (batch, nheads, seqlen_q) is contiguous float32, natural log. A learnable sink (nheads,) reaches the
-forward kernels as a contiguous array (HAS_SINK), the decode kernels likewise (split launches: only the combine
-kernel takes it), and its gradient comes from the backward's delta and lse (flashtile._sink); the Gluon kernels do
-not take it (configs.gluon_unserved_reason, gluon_backward_unserved_reason).
+forward kernels (the Gluon one too) as a contiguous array (HAS_SINK), the decode kernels likewise (split launches:
+only the combine kernel takes it), and its gradient comes from the backward's delta and lse (flashtile._sink); the
+backward kernels need nothing of it (the lse they read includes it).
 """
 
 from __future__ import annotations
@@ -279,7 +279,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     if tiles.forward_schedule == 3:
         reason = gluon_unserved(q, k, v, p, tiles.gluon_tile)
         if not reason:
-            return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile, cu_seqlens_q, cu_seqlens_k)
+            return forward_gluon(q, k, v, alibi_slopes, p, tiles.gluon_tile, cu_seqlens_q, cu_seqlens_k,
+                                 learnable_sink)
         if tiles.forced_schedule == configs.SCHEDULE_CODES["fa3"]:
             # forced: the tensors' alignment, known only here, turned it away; no fallback to schedule 1
             raise BackendUnavailableError(f"schedule 'fa3' of backend 'triton' cannot serve this call: {reason}")
@@ -447,9 +448,9 @@ def _dealt_tiles(device: torch.device, problem: AttentionProblem, programs: int,
 
 
 def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonTile, cu_seqlens_q=None,
-                  cu_seqlens_k=None):
+                  cu_seqlens_k=None, learnable_sink=None):
     """The Gluon forward (fwd_gluon.py) of a call that gluon_unserved accepts, dense or packed (cu_seqlens_q and
-    cu_seqlens_k): out, lse as forward()."""
+    cu_seqlens_k), with a learnable sink (nheads,) or None: out, lse as forward()."""
     p = problem
     cu_q, cu_k, varlen, batch_q, _ = _packing(q, k, cu_seqlens_q, cu_seqlens_k)
     out, lse = _outputs(q, p, varlen)
@@ -476,8 +477,8 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
         (_gluon_heads_view(q, WARPGROUP_ROWS, block_d), _gluon_heads_view(k, block_n, block_d),
          _gluon_heads_view(v, block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv),
          # packed batches: an 8-row box for the rows before a sequence's end (dense: never read)
-         _gluon_heads_view(out, 8, block_dv, layout_rows=WARPGROUP_ROWS) if varlen else lse, lse, slopes, dealt,
-         starts, cu_q, cu_k, out),
+         _gluon_heads_view(out, 8, block_dv, layout_rows=WARPGROUP_ROWS) if varlen else lse, lse, slopes,
+         _sink_arg(q, learnable_sink), dealt, starts, cu_q, cu_k, out),
         (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, out.stride(1), p.headdim_v, p.nheads, p.group_size,
          p.seqlen_q, p.seqlen_k, query_blocks, p.batch * p.nheads, group_heads, group_heads * query_blocks, programs,
          num_tiles // programs, num_tiles % programs, score_scale, softcap_scale, softcap_out, diagonal_offset,
@@ -486,7 +487,7 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
         HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong, TILE_LIST=tile_list,
         SHARE_QO=share_qo, VARLEN=varlen, CONSUMER_REGISTERS=tile.consumer_registers,
-        EXP2_EMULATED=tile.exp2_emulated, ACROSS_TILES=tile.across_tiles, num_warps=4,
+        EXP2_EMULATED=tile.exp2_emulated, ACROSS_TILES=tile.across_tiles, HAS_SINK=p.has_sink, num_warps=4,
         maxnreg=tile.max_registers)
     return out, lse
 
