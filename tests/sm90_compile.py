@@ -6,6 +6,7 @@ warp-specialization register reallocation (setmaxnreg), and the shared memory us
 the installed triton (not the GPU machine's) catches code-generation errors the interpreter cannot.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -200,6 +201,19 @@ def main():
         dict(box, Q="*bf16", Out="*bf16", Lse="*fp32", Slopes="*fp32", Sink="*fp32", CuSeqlensQ="*i32",
              CuSeqlensK="*i32", **rng),
         8, 2))
+    # the table's forward tile for dropout at d = 128 (4k, causal): its Philox words beside a 128 x 128 score tile
+    # take shared memory, which the table's stages must leave room for
+    drop = default_tiles(dataclasses.replace(table_problem("bf16", 128, True), dropout_p=0.1), (9, 0))
+    results.append(compile_variant(
+        "fwd-tma schedule 1 dropout bf16 d128 causal (the table's tile)", attention_fwd_tma_kernel,
+        dict(flags, HEADDIM=128, HEADDIM_V=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=drop.block_m,
+             BLOCK_N=drop.block_n, WARP_SPECIALIZE=False, MASK_ALL=True, VARLEN=False,
+             SEPARATE_RAGGED_END=bool(drop.forward_separate_ragged_end), HAS_SINK=False),
+        dict({name: f"tensordesc<bf16[1,1,{rows},128]>" for name, rows in (
+            ("q_desc", drop.block_m), ("k_desc", drop.block_n), ("v_desc", drop.block_n))},
+             Q="*bf16", Out="*bf16", Lse="*fp32", Slopes="*fp32", Sink="*fp32", CuSeqlensQ="*i32",
+             CuSeqlensK="*i32", **rng),
+        drop.num_warps, drop.num_stages))
     bwd_box = {**{name: "*bf16" for name in ("Q", "K", "V", "dOut", "dK", "dV", "dQ")},
                **{name: "*fp32" for name in ("Lse", "Delta", "Slopes")}, "Mask": "*u8", "CuSeqlensQ": "*i32",
                "CuSeqlensK": "*i32", **{name: "tensordesc<bf16[1,1,64,64]>" for name in ("q_desc", "k_desc",

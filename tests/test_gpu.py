@@ -77,13 +77,17 @@ def test_triton_realistic_shapes_with_a_learnable_sink(case, dtype, seed):
 # The Gluon forward (forward_schedule 3) in each of its settings, forced, on the edges its schedule has: one key or
 # query, ragged ends of both, seqlen_q != seqlen_k both ways (fully masked rows when causal and seqlen_q > seqlen_k),
 # GQA 8:1, dv != d, a padded head dim, windows, softcap and ALiBi (forward only: the backward is the Triton one)
-GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0), "pingpong": dict(gluon_pingpong=1),
+# (settings that cannot start a tile under the last one's P V say gluon_across_tiles=0: the table adds it to short
+# calls, and a forced setting it does not combine with would send the call to the Triton forward)
+GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0, gluon_across_tiles=0),
+                  "pingpong": dict(gluon_pingpong=1),
                   "one-cta-per-tile": dict(gluon_persistent=0), "overlap-pingpong-one-cta": dict(
                       gluon_pingpong=1, gluon_persistent=0), "three-stages": dict(gluon_stages=3),
-                  "three-consumers": dict(gluon_consumers=3), "three-consumers-one-cta-per-tile": dict(
-                      gluon_consumers=3, gluon_overlap=0, gluon_persistent=0),
+                  "three-consumers": dict(gluon_consumers=3, gluon_across_tiles=0),
+                  "three-consumers-one-cta-per-tile": dict(
+                      gluon_consumers=3, gluon_overlap=0, gluon_persistent=0, gluon_across_tiles=0),
                   "dealt-tiles": dict(gluon_persistent=1, gluon_balanced=1),
-                  "256-key-blocks": dict(gluon_block_n=256, gluon_overlap=0),
+                  "256-key-blocks": dict(gluon_block_n=256, gluon_overlap=0, gluon_across_tiles=0),
                   "fma-exponentials": dict(gluon_exp2_emulated=4),
                   "across-tiles": dict(gluon_across_tiles=1),
                   "across-tiles-dealt-pingpong": dict(gluon_across_tiles=1, gluon_balanced=1, gluon_pingpong=1),

@@ -219,9 +219,16 @@ BROKEN = ("block id past the cache", "negative block id", "int64 block_table", "
           "gradients", "dropout", "attention probabilities")
 
 
+# rules on the values of block_table and seqused_k, which are read on CPU tensors only (on a GPU, reading them would
+# synchronise the call; flash_attn_varlen_func's documentation says so)
+VALUE_RULES = ("block id past the cache", "negative block id", "keys past the table")
+
+
 @pytest.mark.parametrize("what", BROKEN)
 def test_invalid_calls_raise_before_anything_runs(what, monkeypatch):
     """Each broken argument raises naming it; no backend is reached."""
+    if what in VALUE_RULES and DEVICE.type != "cpu":
+        pytest.skip("the values of block_table and seqused_k are checked on CPU tensors only (documented)")
     x, call, error, fragment = _break(paged_inputs(LENGTHS, 16, torch.float32), what)
     for backend in flashtile._dispatch.BACKENDS.values():
         monkeypatch.setattr(backend, "paged_varlen_forward", lambda *a: pytest.fail("a backend ran"), raising=False)

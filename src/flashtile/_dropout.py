@@ -90,7 +90,10 @@ def philox4x32(seed: int, c0, c1, c2, c3) -> tuple[torch.Tensor, ...]:
     triton.language.philox computes it: four int64 tensors of unsigned 32-bit words. The counter words are int64
     tensors (or ints) in [0, 2**32) that broadcast together."""
     k0, k1 = seed & MASK32, (seed >> 32) & MASK32
-    c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64) for c in (c0, c1, c2, c3)))
+    # the words live on the device of the tensors among them (an int becomes a tensor there, not on the CPU)
+    device = next((c.device for c in (c0, c1, c2, c3) if isinstance(c, torch.Tensor)), None)
+    c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64, device=device)
+                                               for c in (c0, c1, c2, c3)))
     for _ in range(ROUNDS):
         hi_b, lo_b = _mulhilo(ROUND_B, c2)
         hi_a, lo_a = _mulhilo(ROUND_A, c0)

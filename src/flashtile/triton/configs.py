@@ -672,13 +672,16 @@ def _triton_tiles(problem: AttentionProblem, capability: tuple[int, int] | None)
         # (raw/2026-11-29-h200-s8-call3.txt). A left window edge (two edges to mask) or an attn_mask (the pointer
         # kernel) keeps 64-key blocks, not measured with 128
         block_n = 128 if problem.window_left < 0 and problem.mask_kind is None else 64
+        # dropout converts its Philox words beside the 128 x 128 score tile through shared memory: 3 stages took
+        # 246,784 bytes (triton 3.6, sm_90), over the SM's 232,448; 2 stages fit
+        stages = 2 if problem.dropout_p > 0 and block_n == 128 else 3
         # backward 64 x 128, 8 warps, 3 stages, the streamed tiles by TMA. Dense batches in one launch: fwd+bwd
         # +4..+10% over 32 x 64 / 4 warps in two at 1k non-causal, 4k and 16k
         # (raw/2026-11-29-h200-tune-backward-one-launch.txt); TMA +2..+10% over pointer loads but 16k causal, 0%
         # (raw/2026-11-29-h200-s8-call1.txt). Packed batches in two launches, TMA in
         # their interior blocks: 0.91x / 0.92x the dense rate, one launch 0.91x / 0.85x
         # (raw/2026-11-30-h200-s15-call4-packed-tma-backward.txt)
-        return TritonTiles(block_m=128, block_n=block_n, num_warps=8, num_stages=3, forward_schedule=1,
+        return TritonTiles(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, forward_schedule=1,
                            forward_separate_ragged_end=ragged_end,
                            bwd_block_m=64, bwd_block_n=128, bwd_num_warps=8, bwd_num_stages=3,
                            backward_schedule=2 if problem.varlen else 3)

@@ -350,20 +350,20 @@ if AVAILABLE:
         return acc, turns
 
     @gluon.jit
-    def _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout: gl.constexpr,
-                     VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+    def _finish_tile(acc, m_i, l_i, sink, o_tile, o_desc, h, row0, sequence, stats, packing,
+                     o_row_layout: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
         """A tile's epilogue for one consumer's 64 rows from row0 of its sequence: with HAS_SINK, the sink's term
-        joins each row's statistics; normalise once (one reciprocal per row; rows that saw no key give out 0 and lse
-        -inf, or with a sink the sink), store the lse rows and the output rows (_store_rows)."""
+        (`sink`, its head's logit in base 2) joins each row's statistics; normalise once (one reciprocal per row;
+        rows that saw no key give out 0 and lse -inf, or with a sink the sink), store the lse rows and the output
+        rows (_store_rows)."""
         batch, q_start, k_start, seqlen_q, seqlen_k, diagonal_offset = sequence
         Lse, Slopes, Sink, TileList, TileStarts, stride_lse_b, stride_lse_h, stride_slopes_b = stats
         l_o = gl.convert_layout(l_i, o_row_layout)
         m_o = gl.convert_layout(m_i, o_row_layout)
         keys_share = 1.0
         if HAS_SINK:
-            # the sink (a natural-log logit, base 2 here) is one more term of the denominator, added once after the
-            # keys (the Triton forwards start from it instead): the key loop and its registers stay as without one
-            sink = gl.load(Sink + h).to(gl.float32) * 1.4426950408889634
+            # the sink is one more term of the denominator, added once after the keys (the Triton forwards start
+            # from it instead): the key loop and its registers stay as without one
             m_new = gl.maximum(m_o, sink)
             # a row without a key and a sink of -inf keeps max -inf: shifted by 0, exp2 gives 0, not NaN
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -582,6 +582,10 @@ if AVAILABLE:
                 slope = 0.0
                 if HAS_ALIBI:
                     slope = gl.load(Slopes + b * stride_slopes_b + h)
+                sink = 0.0
+                if HAS_SINK:
+                    # loaded here, where the key loop hides its latency, for the epilogue (a natural-log logit; base 2)
+                    sink = gl.load(Sink + h).to(gl.float32) * 1.4426950408889634
                 acc = gl.zeros([64, BLOCK_DV], gl.float32, layout=o_layout)
                 m_i = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
                 l_i = gl.full([64], 0.0, gl.float32, layout=row_layout)
@@ -679,8 +683,8 @@ if AVAILABLE:
                         # not reached (there every tile sees a key); assigned so that this branch, too, leaves no
                         # earlier P held through the tile
                         next_p_op, next_m, next_l = _nothing_carried(next_p_op, next_m, next_l)
-                _finish_tile(acc, m_i, l_i, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout, VARLEN,
-                             HAS_SINK)
+                _finish_tile(acc, m_i, l_i, sink, o_tile, o_desc, h, row0, sequence, stats, packing, o_row_layout,
+                             VARLEN, HAS_SINK)
                 if SHARE_QO:
                     # the output was staged in the query rows' buffer: free it once the store has read it
                     tma.store_wait(0)
