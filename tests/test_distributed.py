@@ -5,12 +5,17 @@ lse, dq, dk, dv and the point-to-point operations it posted. The parent process 
 checks them against the float64 oracle on the gathered sequence by the eager rule: the ring's float32 error is at
 most 2 x the error of flashtile's single-process float32 attention (torch backend) + a rounding floor
 (conftest.assert_close_to_oracle). The processes meet through a file:// rendezvous in tmp_path (no network
-port), every collective has a 30 s timeout and the parent stops waiting after 120 s.
+port), every collective has a 30 s timeout and the parent stops waiting after 120 s. The varlen ring
+(ring_flash_attn_varlen_func) runs in the same processes on packed batches whose every sequence is sharded over
+the ranks (one of them empty), against the oracle on each gathered sequence and flashtile's single-process
+flash_attn_varlen_func on the gathered packed batch, by the same rule.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
+import pathlib
 import time
 import traceback
 import zlib
@@ -397,3 +402,30 @@ def test_unsupported_arguments_are_refused_before_communicating():
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, window_size=(2, 0))
     with pytest.raises(TypeError, match="max_seqlen"):
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 4.0)
+
+
+def test_benchmark_script_on_one_cpu_rank_communicates_nothing(tmp_path, monkeypatch):
+    """benchmarks/ring_attention.py's main at tiny sizes on a 1-process gloo group: every cell checks the ring against
+    plain attention and is timed, and the ring of one rank posts no point-to-point operation and gathers nothing
+    (its only collectives are the script's own all_reduce of the timings and errors)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ring_attention.py"
+    spec = importlib.util.spec_from_file_location("ring_attention_benchmark", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    def refuse(*args, **kwargs):
+        raise AssertionError("a ring of one rank communicated")
+    monkeypatch.setattr(dist, "batch_isend_irecv", refuse)
+    monkeypatch.setattr(dist, "all_gather", refuse)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        with flashtile.use_backend("torch"):
+            records = script.main(["--device", "cpu", "--seqlens", "8", "--heads", "2", "--kv-heads", "1",
+                                   "--headdim", "16", "--warmup", "1", "--reps", "1"])
+    finally:
+        dist.destroy_process_group()
+    cells = {(r["causal"], r["layout"], r["mode"]) for r in records}
+    assert cells == {(c, layout, mode) for c in (False, True) for layout in ("contiguous", "zigzag")
+                     for mode in ("fwd", "fwd_bwd")}
+    for record in records:
+        assert record["world"] == 1 and record["max_abs_err"] <= 1e-4 and record["ring_ms"] > 0, record
