@@ -292,9 +292,9 @@ def ring_flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Ten
 
     Returns:
         out (total_local, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) with lse
-        (nheads, total_local) float32, natural log (flash_attn_varlen_func's layout). Rows of empty sequences are
-        none (an empty sequence has no rows). Differentiable with respect to q, k, v (and through lse): the
-        backward runs the ring again (every rank must run it).
+        (nheads, total_local) float32, natural log (flash_attn_varlen_func's layout); an empty sequence has no
+        rows. Differentiable with respect to q, k, v (and through lse): the backward runs the ring again (every
+        rank must run it).
 
     Raises:
         ValueError on every rank, before any point-to-point transfer (all checked collectively by all_gather, so
