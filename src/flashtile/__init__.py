@@ -13,8 +13,9 @@ Public API:
     schedules                      the Triton backend's schedules (fa1, fa2, fa3, fa4, decode) and where each runs
     reference                      the float64 oracle (dense; for checking only)
     nn                             torch.nn modules: MultiheadAttention (drop-in for torch's), Attention
-    distributed                    ring attention over torch.distributed (ring_flash_attn_func) and the
-                                   contiguous / zigzag sequence sharding helpers
+    distributed                    ring attention over torch.distributed (ring_flash_attn_func, and
+                                   ring_flash_attn_varlen_func for packed batches) and the contiguous / zigzag
+                                   sharding helpers
 
 Integrations (imported on their own):
     flashtile.integrations.transformers   attn_implementation="flashtile" in Hugging Face transformers

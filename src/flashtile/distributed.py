@@ -25,6 +25,14 @@ depends on it):
 
 `contiguous_shard` / `zigzag_shard` cut a full sequence into a rank's shard; `contiguous_unshard` /
 `zigzag_unshard` put the shards of all ranks back in order.
+
+`ring_flash_attn_varlen_func` is the same ring over packed variable-length batches (flash_attn_varlen_func's
+layout): every sequence of the batch is sharded over the ranks in the layout above, each rank's shard of each
+sequence packed one after another in sequence order, and `cu_seqlens` gives the boundaries of the local shards
+(the same on every rank). `shard_cu_seqlens` turns the batch's global boundaries into the local ones;
+`contiguous_shard_varlen` / `zigzag_shard_varlen` and their `_unshard_` inverses convert packed tensors.
+Dense and varlen calls share one ring (forward and backward); they differ only in how a step's pieces select
+rows and call the attention kernel (`_DensePlan`, `_VarlenPlan`).
 """
 
 from __future__ import annotations
@@ -35,7 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .interface import flash_attn_func
+from .interface import flash_attn_func, flash_attn_varlen_func
+
+__all__ = ["LAYOUTS", "contiguous_shard", "contiguous_shard_varlen", "contiguous_unshard", "contiguous_unshard_varlen",
+           "ring_flash_attn_func", "ring_flash_attn_varlen_func", "shard_cu_seqlens", "zigzag_shard",
+           "zigzag_shard_varlen", "zigzag_unshard", "zigzag_unshard_varlen"]
 
 LAYOUTS = ("contiguous", "zigzag")
 _KV_TAG = 0      # K and V shards: tags 0 and 1
@@ -89,6 +101,117 @@ def _check_split(x: Tensor, rank: int, world: int, dim: int, parts: int) -> None
         raise ValueError(f"length {x.shape[dim]} along dim {dim} does not split into {parts} equal chunks")
 
 
+def shard_cu_seqlens(cu_seqlens: Tensor, world: int, layout: str = "contiguous") -> Tensor:
+    """The boundaries of each rank's shards of a packed batch: cu_seqlens // world.
+
+    Args:
+        cu_seqlens: (nseq + 1,) integer tensor, the global boundaries: sequence i owns the packed rows
+            cu_seqlens[i] .. cu_seqlens[i + 1] - 1 (cu_seqlens[0] = 0, non-decreasing).
+        world: the number of ranks.
+        layout: "contiguous" (every length a multiple of world) or "zigzag" (a multiple of 2 * world).
+
+    Returns:
+        (nseq + 1,) tensor of cu_seqlens' dtype and device: the boundaries of the local shards, the same on every
+        rank (what ring_flash_attn_varlen_func takes).
+
+    Raises:
+        ValueError when cu_seqlens is not 1-D, does not start at 0, decreases, or a sequence's length is not a
+        multiple of world (2 * world for zigzag); ValueError for an unknown layout.
+    """
+    _sequence_lengths(cu_seqlens, world, layout)
+    return cu_seqlens // world
+
+
+def contiguous_shard_varlen(x: Tensor, cu_seqlens: Tensor, rank: int, world: int, dim: int = 0) -> Tensor:
+    """Rank `rank`'s packed shard of a packed batch in the contiguous layout: chunk `rank` of `world` equal chunks
+    of every sequence, the sequences' chunks one after another.
+
+    Args:
+        x: a packed tensor whose dim `dim` holds the cu_seqlens[-1] rows of all sequences, e.g. q
+            (total, nheads, headdim) with dim=0 or flash_attn_varlen_func's lse (nheads, total) with dim=1.
+        cu_seqlens: (nseq + 1,) global boundaries (see shard_cu_seqlens); every length a multiple of world.
+
+    Returns:
+        x's rows of this rank, cu_seqlens[-1] / world along dim; the local boundaries are
+        shard_cu_seqlens(cu_seqlens, world).
+
+    Raises:
+        ValueError as shard_cu_seqlens, when x.shape[dim] != cu_seqlens[-1], or rank is not in 0 .. world - 1.
+    """
+    lengths = _packed_lengths(x, cu_seqlens, rank, world, dim, "contiguous")
+    return torch.cat([seq.narrow(dim, rank * (n // world), n // world)
+                      for seq, n in zip(x.split(lengths, dim=dim), lengths)], dim=dim)
+
+
+def zigzag_shard_varlen(x: Tensor, cu_seqlens: Tensor, rank: int, world: int, dim: int = 0) -> Tensor:
+    """Rank `rank`'s packed shard of a packed batch in the zigzag layout: chunks rank and 2 * world - 1 - rank of
+    2 * world equal chunks of every sequence (as zigzag_shard does to one sequence), the sequences' shards one
+    after another. Arguments, result and errors as contiguous_shard_varlen, with every length a multiple of
+    2 * world."""
+    lengths = _packed_lengths(x, cu_seqlens, rank, world, dim, "zigzag")
+    shards = []
+    for seq, n in zip(x.split(lengths, dim=dim), lengths):
+        chunk = n // (2 * world)
+        shards += [seq.narrow(dim, rank * chunk, chunk), seq.narrow(dim, (2 * world - 1 - rank) * chunk, chunk)]
+    return torch.cat(shards, dim=dim)
+
+
+def contiguous_unshard_varlen(shards: list[Tensor] | tuple[Tensor, ...], cu_seqlens: Tensor, dim: int = 0) -> Tensor:
+    """The packed batch from the contiguous-layout packed shards of ranks 0 .. W - 1 (in that order); cu_seqlens
+    are the global boundaries (as given to contiguous_shard_varlen). Raises ValueError as shard_cu_seqlens and when
+    a shard's length along dim is not cu_seqlens[-1] / W."""
+    per_rank = _split_shards(shards, cu_seqlens, dim, "contiguous")
+    return torch.cat([piece for sequence in zip(*per_rank) for piece in sequence], dim=dim)
+
+
+def zigzag_unshard_varlen(shards: list[Tensor] | tuple[Tensor, ...], cu_seqlens: Tensor, dim: int = 0) -> Tensor:
+    """The packed batch from the zigzag-layout packed shards of ranks 0 .. W - 1 (in that order); cu_seqlens are the
+    global boundaries (as given to zigzag_shard_varlen). Raises ValueError as contiguous_unshard_varlen."""
+    per_rank = _split_shards(shards, cu_seqlens, dim, "zigzag")
+    return torch.cat([zigzag_unshard(sequence, dim=dim) for sequence in zip(*per_rank)], dim=dim)
+
+
+def _sequence_lengths(cu_seqlens: Tensor, world: int, layout: str) -> list[int]:
+    """The global sequence lengths of cu_seqlens, checked to shard evenly over world ranks in layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be a 1-D tensor (nseq + 1,), got "
+                         f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__}")
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if bounds[0] != 0 or any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {bounds}")
+    parts = world if layout == "contiguous" else 2 * world
+    uneven = [(i, n) for i, n in enumerate(lengths) if n % parts]
+    if uneven:
+        raise ValueError(f"every sequence's length must be a multiple of {parts} to shard over {world} ranks in "
+                         f"the {layout} layout, got (sequence, length) {uneven[:4]}; pad the sequences")
+    return lengths
+
+
+def _packed_lengths(x, cu_seqlens, rank, world, dim, layout) -> list[int]:
+    lengths = _sequence_lengths(cu_seqlens, world, layout)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0 .. {world - 1}")
+    if x.shape[dim] != sum(lengths):
+        raise ValueError(f"x has {x.shape[dim]} rows along dim {dim} but cu_seqlens ends at {sum(lengths)}")
+    return lengths
+
+
+def _split_shards(shards, cu_seqlens, dim, layout) -> list[tuple[Tensor, ...]]:
+    """Each rank's shard split into its pieces of the sequences."""
+    lengths = _sequence_lengths(cu_seqlens, len(shards), layout)
+    local = [n // len(shards) for n in lengths]
+    for rank, shard in enumerate(shards):
+        if shard.shape[dim] != sum(local):
+            raise ValueError(f"rank {rank}'s shard has {shard.shape[dim]} rows along dim {dim}, but cu_seqlens "
+                             f"gives {sum(local)} per rank")
+    return [shard.split(local, dim=dim) for shard in shards]
+
+
 def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | None = None,
                          causal: bool = False, softmax_scale: float | None = None,
                          window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -96,7 +219,8 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Process
                          layout: str = "contiguous") -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention of a sequence sharded over the ranks of `group`, by ring attention (see the module docstring).
 
-    Every rank of the group must call it with the same arguments apart from its own shards.
+    Every rank of the group must call it with the same arguments apart from its own shards. With a group of one
+    rank it is plain attention and communicates nothing.
 
     Args:
         q: (batch, seqlen_local, nheads, headdim): this rank's query rows, in `layout`. Any dtype flash_attn_func
@@ -126,19 +250,85 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Process
         (position-dependent masks and biases need each step's global offsets, which flash_attn_func cannot take).
         Errors of flash_attn_func's own validation (head counts, dtypes) are raised identically on every rank.
     """
+    _check_arguments("ring_flash_attn_func", layout, window_size, alibi_slopes)
+    ring = _Ring(group)
+    _check_shapes_collectively(q, k, v, ring, layout)
+    plan = _DensePlan(layout, causal, _scale(softmax_scale, q), float(softcap), q.shape[1])
+    out, lse = _RingAttention.apply(q, k, v, ring, plan)
+    return (out, lse) if return_lse else out
+
+
+def ring_flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *,
+                                group: dist.ProcessGroup | None = None, causal: bool = False,
+                                softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                                softcap: float = 0.0, alibi_slopes: Tensor | None = None, return_lse: bool = False,
+                                layout: str = "contiguous") -> Tensor | tuple[Tensor, Tensor]:
+    """Exact attention of a packed variable-length batch whose every sequence is sharded over the ranks of `group`:
+    ring attention (see the module docstring) with flash_attn_varlen_func at each step.
+
+    Every sequence of the packed batch is split over the W ranks in `layout` (its global length a multiple of W,
+    of 2 * W for zigzag); each rank packs its shards of the sequences one after another, in sequence order. For a
+    global packed batch with boundaries cu_global, rank r passes
+
+        q = contiguous_shard_varlen(q_global, cu_global, r, W)     (zigzag_shard_varlen for layout="zigzag")
+        cu_seqlens = shard_cu_seqlens(cu_global, W, layout)        (= cu_global // W, the same on every rank)
+
+    Every rank of the group must call it with the same arguments apart from its own shards. With a group of one
+    rank it is flash_attn_varlen_func and communicates nothing.
+
+    Args:
+        q: (total_local, nheads, headdim): this rank's query rows of every sequence, packed.
+        k: (total_local, nheads_k, headdim), v: (total_local, nheads_k, headdim_v): this rank's keys and values,
+            nheads % nheads_k == 0 (grouped-query attention without copies). Every rank's tensors have the same
+            shapes and dtype.
+        cu_seqlens: int32 (nseq + 1,) on q's device, the boundaries of the LOCAL shards: this rank's shard of
+            sequence i is rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1 of q, k and v; cu_seqlens[-1] = total_local.
+            Identical on every rank (each sequence's shards have equal lengths).
+        max_seqlen: the longest local shard (an upper bound, as flash_attn_varlen_func's max_seqlen_q and
+            max_seqlen_k hints), the same on every rank.
+        group, causal, softmax_scale, window_size, softcap, alibi_slopes, layout: as in ring_flash_attn_func
+            (causal: within each sequence, over its global positions).
+        return_lse: also return the log-sum-exp of each local query row over its sequence's keys.
+
+    Returns:
+        out (total_local, nheads, headdim_v) in q's dtype; with return_lse=True, (out, lse) with lse
+        (nheads, total_local) float32, natural log (flash_attn_varlen_func's layout); an empty sequence has no
+        rows. Differentiable with respect to q, k, v (and through lse): the backward runs the ring again (every
+        rank must run it).
+
+    Raises:
+        ValueError on every rank, before any point-to-point transfer (all checked collectively by all_gather, so
+        no rank waits for a rank that raised): when q, k, v are not 3-D or disagree on total_local; when the
+        ranks' tensors differ in shape or dtype; when cu_seqlens is not int32 and 1-D, differs between ranks,
+        does not start at 0, decreases, or does not end at total_local; when layout is "zigzag" and a local
+        shard's length is odd. TypeError/ValueError for a max_seqlen that is not an int >= 0; ValueError for an
+        unknown layout; NotImplementedError for a window or ALiBi slopes, as in ring_flash_attn_func.
+    """
+    _check_arguments("ring_flash_attn_varlen_func", layout, window_size, alibi_slopes)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"max_seqlen must be an int, got {max_seqlen!r} ({type(max_seqlen).__name__})")
+    if max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+    ring = _Ring(group)
+    bounds = _check_varlen_collectively(q, k, v, cu_seqlens, ring, layout)
+    plan = _VarlenPlan(layout, causal, _scale(softmax_scale, q), float(softcap), bounds, max_seqlen, q.device)
+    out, lse = _RingAttention.apply(q, k, v, ring, plan)
+    return (out, lse) if return_lse else out
+
+
+def _check_arguments(function: str, layout, window_size, alibi_slopes) -> None:
+    """The arguments every rank passes alike: refused before any communication."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if tuple(int(w) for w in window_size) != (-1, -1):
-        raise NotImplementedError("ring_flash_attn_func supports no sliding window yet "
+        raise NotImplementedError(f"{function} supports no sliding window yet "
                                   f"(window_size={tuple(window_size)}); pass (-1, -1)")
     if alibi_slopes is not None:
-        raise NotImplementedError("ring_flash_attn_func does not take alibi_slopes yet; pass None")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    ring = _Ring(group)
-    _check_shapes_collectively(q, k, v, ring, layout)
-    out, lse = _RingAttention.apply(q, k, v, ring, causal, float(softmax_scale), float(softcap), layout)
-    return (out, lse) if return_lse else out
+        raise NotImplementedError(f"{function} does not take alibi_slopes yet; pass None")
+
+
+def _scale(softmax_scale: float | None, q: Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
 
 class _Ring:
@@ -165,16 +355,26 @@ class _Ring:
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i) for i, t in enumerate(received)]
         return received, dist.batch_isend_irecv(ops)
 
+    def gather(self, row: list[int], device) -> list[list[int]]:
+        """Every rank's `row` (equal lengths on every rank), in rank order: one all_gather; none for one rank."""
+        if self.world == 1:
+            return [list(row)]
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        return [r.tolist() for r in every]
+
+
+def _shape_row(tensors, ndim: int) -> list[int]:
+    """The tensors' dims, their shapes (padded or cut to ndim dims) and dtype codes, as one list of ints."""
+    dims = [t.dim() for t in tensors]
+    shapes = [size for t in tensors for size in (list(t.shape) + [0] * ndim)[:ndim]]
+    return dims + shapes + [_DTYPE_CODES.get(t.dtype, -1) for t in tensors]
+
 
 def _check_shapes_collectively(q, k, v, ring: _Ring, layout: str) -> None:
     # one row per rank: the tensors' dims, their shapes (padded or cut to 4 dims), the three dtypes
-    dims = [q.dim(), k.dim(), v.dim()]
-    shapes = [size for t in (q, k, v) for size in (list(t.shape) + [0] * 4)[:4]]
-    dtypes = [_DTYPE_CODES.get(t.dtype, -1) for t in (q, k, v)]
-    mine = torch.tensor(dims + shapes + dtypes, dtype=torch.int64, device=q.device)
-    every = [torch.empty_like(mine) for _ in range(ring.world)]
-    dist.all_gather(every, mine, group=ring.group)
-    rows = [r.tolist() for r in every]
+    rows = ring.gather(_shape_row((q, k, v), 4), q.device)
     problems = []
     for rank, row in enumerate(rows):
         if row[:3] != [4, 4, 4]:
@@ -196,6 +396,51 @@ def _check_shapes_collectively(q, k, v, ring: _Ring, layout: str) -> None:
         raise ValueError("ring_flash_attn_func: " + "; ".join(problems))
 
 
+def _check_varlen_collectively(q, k, v, cu_seqlens, ring: _Ring, layout: str) -> list[int]:
+    """Checks the packed shards of every rank together; returns the local boundaries (a list, equal on every rank).
+
+    Two all_gathers: the shapes with cu_seqlens' size, then, when every rank passed cu_seqlens of one size,
+    its values. Every rank sees the same rows and so takes the same branch and raises the same error."""
+    cu_ok = isinstance(cu_seqlens, Tensor)
+    cu_row = [cu_seqlens.dim(), cu_seqlens.numel(), int(cu_seqlens.dtype == torch.int32)] if cu_ok else [-1, -1, 0]
+    rows = ring.gather(_shape_row((q, k, v), 3) + cu_row, q.device)
+    problems = []
+    for rank, row in enumerate(rows):
+        if row[:3] != [3, 3, 3]:
+            problems.append(f"rank {rank}: q, k, v must be 3-D (total_local, heads, headdim), got "
+                            f"{row[0]}-D, {row[1]}-D, {row[2]}-D")
+        elif not row[3] == row[6] == row[9]:
+            problems.append(f"rank {rank}: q, k, v must share total_local, got q {tuple(row[3:6])}, "
+                            f"k {tuple(row[6:9])}, v {tuple(row[9:12])}")
+        if row[15] != 1 or row[16] < 1 or row[17] != 1:
+            got = "no tensor" if row[15] < 0 else f"{row[15]}-D, {row[16]} elements, int32: {bool(row[17])}"
+            problems.append(f"rank {rank}: cu_seqlens must be a 1-D int32 tensor (nseq + 1,), got {got}")
+    if len({tuple(r) for r in rows}) > 1:
+        described = "; ".join(f"rank {rank}: q {tuple(r[3:6])} k {tuple(r[6:9])} v {tuple(r[9:12])} "
+                              f"dtypes {_dtype_names(r[12:15])} cu_seqlens of {r[16]}" for rank, r in enumerate(rows))
+        problems.append("every rank's shards must have the same shapes and dtypes and the same number of sequences "
+                        f"(shard every sequence evenly: shard_cu_seqlens), got {described}")
+    if problems:
+        raise ValueError("ring_flash_attn_varlen_func: " + "; ".join(problems))
+    every = ring.gather(cu_seqlens.to(device=q.device, dtype=torch.int64).tolist(), q.device)
+    bounds, total = every[0], rows[0][3]
+    if any(b != bounds for b in every):
+        different = [rank for rank, b in enumerate(every) if b != bounds]
+        problems.append(f"cu_seqlens must be the same on every rank (each sequence sharded evenly), but ranks "
+                        f"{different} differ from rank 0's {bounds[:8]}")
+    elif bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] != total:
+        problems.append(f"cu_seqlens must start at 0, never decrease and end at total_local = {total}, got "
+                        f"{bounds[:8]}{' ...' if len(bounds) > 8 else ''}")
+    elif layout == "zigzag":
+        odd = [(i, b - a) for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if (b - a) % 2]
+        if odd:
+            problems.append(f"the zigzag layout holds two equal chunks of every sequence per rank, but these local "
+                            f"shards have odd lengths (sequence, length): {odd[:4]}")
+    if problems:
+        raise ValueError("ring_flash_attn_varlen_func: " + "; ".join(problems))
+    return bounds
+
+
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
@@ -204,45 +449,107 @@ def _dtype_names(codes) -> str:
     return "/".join(names.get(c, "other") for c in codes)
 
 
-def _pieces(layout: str, causal: bool, rank: int, src: int, seqlen: int) -> list[tuple[slice, slice, bool]]:
-    """What the local queries attend of the shard of rank `src`: (query rows, key rows, causal) triples, in
-    local positions; [] when nothing (a later shard under causal contiguous attention)."""
-    every = slice(None)
+def _pieces(layout: str, causal: bool, rank: int, src: int) -> list[tuple[str, str, bool]]:
+    """What the local queries attend of the shard of rank `src`: (query rows, key rows, causal) triples, the rows
+    named "all", "first" or "second" (the first or second half of each local sequence's shard); [] when nothing
+    (a later shard under causal contiguous attention)."""
     if not causal:
-        return [(every, every, False)]
+        return [("all", "all", False)]
     if src == rank:
         # the diagonal: in both layouts, local order is global order within the shard, so local causal is global
         # causal (zigzag: the second chunk's queries see all of the first chunk, whose queries see none of it)
-        return [(every, every, True)]
+        return [("all", "all", True)]
     if layout == "contiguous":
-        return [(every, every, False)] if src < rank else []
-    half = seqlen // 2
+        return [("all", "all", False)] if src < rank else []
     if src < rank:
         # chunks src < rank and 2W-1-src > 2W-1-rank: both local chunks see the first visiting chunk only
-        return [(every, slice(0, half), False)]
+        return [("all", "first", False)]
     # src > rank: the first local chunk (rank < src) sees nothing; the second (2W-1-rank) sees both visiting chunks
-    return [(slice(half, None), every, False)]
+    return [("second", "all", False)]
 
 
-def _merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
-    """out, lse (float32, in place) <- the log-sum-exp merge of themselves with a partial result. Rows where both
-    are -inf (no key yet) stay out = 0, lse = -inf."""
-    new_lse = torch.logaddexp(lse, part_lse)
+class _DensePlan:
+    """Pieces of (batch, seqlen_local, heads, d) shards: halves are slices of the sequence dim."""
+
+    token_dim = 1
+
+    def __init__(self, layout, causal, scale, softcap, seqlen):
+        self.layout, self.causal, self.scale, self.softcap = layout, causal, scale, softcap
+        half = seqlen // 2
+        self.rows = {"all": slice(None), "first": slice(0, half), "second": slice(half, None)}
+
+    def attend(self, q, k, v, q_part: str, k_part: str, causal: bool) -> tuple[Tensor, Tensor]:
+        return flash_attn_func(q, k, v, softmax_scale=self.scale, causal=causal, softcap=self.softcap,
+                               return_lse=True)
+
+
+class _VarlenPlan:
+    """Pieces of packed (total_local, heads, d) shards: the halves of every sequence's shard are gathered by index
+    (only zigzag's causal steps use them), with their own boundaries cu_seqlens // 2."""
+
+    token_dim = 0
+
+    def __init__(self, layout, causal, scale, softcap, bounds: list[int], max_seqlen: int, device):
+        self.layout, self.causal, self.scale, self.softcap = layout, causal, scale, softcap
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        self.cu = {"all": cu, "first": cu // 2, "second": cu // 2}
+        self.max = {"all": max_seqlen, "first": (max_seqlen + 1) // 2, "second": (max_seqlen + 1) // 2}
+        self.rows = {"all": slice(None)}
+        if layout == "zigzag" and causal:
+            cu64 = cu.long()
+            position = torch.arange(bounds[-1], device=device)
+            sequence = torch.searchsorted(cu64[1:], position, right=True)
+            in_first = (position - cu64[sequence]) < (cu64[sequence + 1] - cu64[sequence]) // 2
+            self.rows["first"], self.rows["second"] = position[in_first], position[~in_first]
+
+    def attend(self, q, k, v, q_part: str, k_part: str, causal: bool) -> tuple[Tensor, Tensor]:
+        return flash_attn_varlen_func(q, k, v, self.cu[q_part], self.cu[k_part], self.max[q_part],
+                                      self.max[k_part], softmax_scale=self.scale, causal=causal,
+                                      softcap=self.softcap, return_lse=True)
+
+
+def _take(x: Tensor, dim: int, rows: slice | Tensor) -> Tensor:
+    """x's rows along dim: a view for a slice, a gathered copy for an index tensor."""
+    if isinstance(rows, slice):
+        return x[(slice(None),) * (dim % x.dim()) + (rows,)]
+    return x.index_select(dim, rows)
+
+
+def _put(x: Tensor, dim: int, rows: slice | Tensor, value: Tensor, add: bool = False) -> None:
+    """x's rows along dim <- value (or += value), in place."""
+    if isinstance(rows, slice):
+        view = _take(x, dim, rows)
+        view.add_(value) if add else view.copy_(value)
+    elif add:
+        x.index_add_(dim % x.dim(), rows, value)
+    else:
+        x.index_copy_(dim % x.dim(), rows, value)
+
+
+def _merge(out: Tensor, lse: Tensor, rows, token_dim: int, part_out: Tensor, part_lse: Tensor) -> None:
+    """out, lse (float32, in place) <- on the query rows `rows`, the log-sum-exp merge of themselves with a partial
+    result. Rows where both are -inf (no key yet) stay out = 0, lse = -inf. lse's token dim is its last, after the
+    heads (out's heads dim follows its token dim), so lse.transpose(-1, -2) lines up with out."""
+    cur_out, cur_lse = _take(out, token_dim, rows), _take(lse, -1, rows)
+    new_lse = torch.logaddexp(cur_lse, part_lse)
     empty = new_lse == float("-inf")
     safe = torch.where(empty, 0.0, new_lse)
-    w_old = torch.exp(lse - safe).masked_fill(empty, 0.0).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(part_lse - safe).masked_fill(empty, 0.0).transpose(1, 2).unsqueeze(-1)
-    out.copy_(out * w_old + part_out.float() * w_new)
-    lse.copy_(new_lse)
+    w_old = torch.exp(cur_lse - safe).masked_fill(empty, 0.0).transpose(-1, -2).unsqueeze(-1)
+    w_new = torch.exp(part_lse - safe).masked_fill(empty, 0.0).transpose(-1, -2).unsqueeze(-1)
+    _put(out, token_dim, rows, cur_out * w_old + part_out.float() * w_new)
+    _put(lse, -1, rows, new_lse)
 
 
 class _RingAttention(torch.autograd.Function):
+    """The ring for dense and packed shards alike; `plan` says what each step attends and how."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, scale, softcap, layout):
-        batch, seqlen, nheads, _ = q.shape
-        out = torch.zeros(batch, seqlen, nheads, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((batch, nheads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+    def forward(ctx, q, k, v, ring, plan):
+        td = plan.token_dim
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+        # lse: (batch, nheads, seqlen) or (nheads, total): the heads before the tokens
+        lse = torch.full((*q.shape[:td], q.shape[td + 1], q.shape[td]), float("-inf"), dtype=torch.float32,
+                         device=q.device)
         k_cur, v_cur = k.detach(), v.detach()
         q_det = q.detach()
         for step in range(ring.world):
@@ -250,29 +557,28 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.world - 1:
                 pending = ring.exchange([k_cur, v_cur], _KV_TAG)   # the next shard travels while this one is attended
             src = (ring.rank - step) % ring.world
-            for rows, keys, piece_causal in _pieces(layout, causal, ring.rank, src, seqlen):
-                part_out, part_lse = flash_attn_func(q_det[:, rows], k_cur[:, keys], v_cur[:, keys],
-                                                     softmax_scale=scale, causal=piece_causal, softcap=softcap,
-                                                     return_lse=True)
-                _merge(out[:, rows], lse[:, :, rows], part_out, part_lse)
+            for q_part, k_part, piece_causal in _pieces(plan.layout, plan.causal, ring.rank, src):
+                rows, keys = plan.rows[q_part], plan.rows[k_part]
+                part_out, part_lse = plan.attend(_take(q_det, td, rows), _take(k_cur, td, keys),
+                                                 _take(v_cur, td, keys), q_part, k_part, piece_causal)
+                _merge(out, lse, rows, td, part_out, part_lse)
             if pending is not None:
                 (k_cur, v_cur), requests = pending
                 for request in requests:
                     request.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.causal, ctx.scale, ctx.softcap, ctx.layout = ring, causal, scale, softcap, layout
+        ctx.ring, ctx.plan = ring, plan
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
-        seqlen = q.shape[1]
         grad_out = torch.zeros_like(out, dtype=torch.float32) if grad_out is None else grad_out.float()
         grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
         # sum over dv of dO * (out_i - out) enters each partial's lse gradient; its out part is shared by all steps
-        d_out_dot = (grad_out * out.float()).sum(-1).transpose(1, 2)   # (batch, nheads, seqlen)
+        d_out_dot = (grad_out * out.float()).sum(-1).transpose(-1, -2)   # lse's shape
         dq = torch.zeros_like(q, dtype=torch.float32)
         k_cur, v_cur = k.detach(), v.detach()
         own = None          # this rank's contribution to its own dK, dV
@@ -280,7 +586,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.world):
             pending = ring.exchange([k_cur, v_cur], _KV_TAG) if step < ring.world - 1 else None
             src = (ring.rank - step) % ring.world
-            dk, dv = _partial_gradients(q, k_cur, v_cur, lse, grad_out, grad_lse, d_out_dot, dq, ctx, src, seqlen)
+            dk, dv = _partial_gradients(q, k_cur, v_cur, lse, grad_out, grad_lse, d_out_dot, dq, ctx.plan,
+                                        ring.rank, src)
             if step == 0:
                 own = (dk, dv)
             else:
@@ -303,33 +610,35 @@ class _RingAttention(torch.autograd.Function):
             for request in requests:
                 request.wait()
             dk, dv = dk + dk_in, dv + dv_in
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _partial_gradients(q, k_vis, v_vis, lse, grad_out, grad_lse, d_out_dot, dq, ctx, src, seqlen):
+def _partial_gradients(q, k_vis, v_vis, lse, grad_out, grad_lse, d_out_dot, dq, plan, rank, src):
     """Gradients of the merged result through the partial of the visiting shard of rank `src`: adds to dq in place,
     returns (dK, dV) of that shard in float32.
 
     With w = exp(lse_i - lse): out = sum_i w_i out_i gives d out_i = w_i dO and
     d lse_i = w_i (dlse + sum_d dO (out_i - out)); the partial is recomputed under autograd and differentiated."""
+    td = plan.token_dim
     dk = torch.zeros_like(k_vis, dtype=torch.float32)
     dv = torch.zeros_like(v_vis, dtype=torch.float32)
-    for rows, keys, piece_causal in _pieces(ctx.layout, ctx.causal, ctx.ring.rank, src, seqlen):
+    for q_part, k_part, piece_causal in _pieces(plan.layout, plan.causal, rank, src):
+        rows, keys = plan.rows[q_part], plan.rows[k_part]
         with torch.enable_grad():
-            q_in = q.detach()[:, rows].requires_grad_()
-            k_in = k_vis[:, keys].detach().requires_grad_()
-            v_in = v_vis[:, keys].detach().requires_grad_()
-            part_out, part_lse = flash_attn_func(q_in, k_in, v_in, softmax_scale=ctx.scale, causal=piece_causal,
-                                                 softcap=ctx.softcap, return_lse=True)
-            total = lse[:, :, rows]
+            q_in = _take(q.detach(), td, rows).detach().requires_grad_()
+            k_in = _take(k_vis, td, keys).detach().requires_grad_()
+            v_in = _take(v_vis, td, keys).detach().requires_grad_()
+            part_out, part_lse = plan.attend(q_in, k_in, v_in, q_part, k_part, piece_causal)
+            total = _take(lse, -1, rows)
             finite = total > float("-inf")
             weight = torch.exp(part_lse.detach() - torch.where(finite, total, 0.0)).masked_fill(~finite, 0.0)
-            g_out = grad_out[:, rows] * weight.transpose(1, 2).unsqueeze(-1)
-            part_dot = (grad_out[:, rows] * part_out.detach().float()).sum(-1).transpose(1, 2)
-            g_lse = weight * (grad_lse[:, :, rows] + part_dot - d_out_dot[:, :, rows])
+            g_rows = _take(grad_out, td, rows)
+            g_out = g_rows * weight.transpose(-1, -2).unsqueeze(-1)
+            part_dot = (g_rows * part_out.detach().float()).sum(-1).transpose(-1, -2)
+            g_lse = weight * (_take(grad_lse, -1, rows) + part_dot - _take(d_out_dot, -1, rows))
             gq, gk, gv = torch.autograd.grad((part_out, part_lse), (q_in, k_in, v_in),
                                              (g_out.to(part_out.dtype), g_lse))
-        dq[:, rows] += gq.float()
-        dk[:, keys] += gk.float()
-        dv[:, keys] += gv.float()
+        _put(dq, td, rows, gq.float(), add=True)
+        _put(dk, td, keys, gk.float(), add=True)
+        _put(dv, td, keys, gv.float(), add=True)
     return dk, dv
