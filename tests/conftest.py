@@ -14,6 +14,7 @@ for bit (only repeated runs of one schedule are).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import zlib
@@ -194,15 +195,26 @@ def assert_attention_follows_the_eager_rule(got, want, eager, inputs, dtype, see
     return grads[0], (grad_out, grad_lse), bounds
 
 
-# The files whose module set-up compiles kernels for sm_90, and the largest parametrisations: collected first, so that
-# pytest-xdist (--dist loadfile hands whole files to the workers in collection order) starts them first and the run
-# does not end with one worker on a long file while the other idles.
-LONG_FILES = ("test_gluon_compile.py", "test_triton_compile.py", "test_kvcache.py", "test_flash_attn.py",
-              "test_varlen.py", "test_triton_schedules.py")
+# The files whose module set-up compiles kernels for sm_90 (the two Gluon compiles, one per Triton, are files of their
+# own so that two workers share them), and the largest parametrisations: collected first, so that pytest-xdist (--dist
+# loadfile hands whole files to the workers in the order of its queue) starts them first and the run does not end with
+# one worker on a long file while the other idles.
+LONG_FILES = ("test_gluon_compile.py", "test_gluon_compile_gpu_triton.py", "test_triton_compile.py", "test_kvcache.py",
+              "test_flash_attn.py", "test_varlen.py", "test_triton_schedules.py")
+
+
+def pytest_configure(config):
+    # xdist's --dist loadfile queues files by their number of tests, largest first, unless told to keep the
+    # collection's order: the compile files hold a few tests each and would start last
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):
+    # after the long files, the others by their number of tests, largest first (xdist's own guess at their length)
+    tests_in = collections.Counter(item.path.name for item in items)
+
     def rank(item):
         name = item.path.name
-        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+        return (LONG_FILES.index(name), 0) if name in LONG_FILES else (len(LONG_FILES), -tests_in[name])
     items.sort(key=rank)  # stable: the order within each file is kept

@@ -3,8 +3,9 @@ can pick and the Gluon dK/dV kernel's variants (backward schedule 4), and report
 
 Gluon kernels do not run in Triton's interpreter, so CI checks them by compiling: the launcher (launch.forward_gluon)
 runs on CPU tensors with a recorder in place of the launch, each recorded launch is bound by Triton's binder for an
-sm_90 target and compiled by Gluon's front end and ptxas. Run in a subprocess by tests/test_gluon_compile.py, once
-with the Triton the H200 has (3.6.0, from a side directory on PYTHONPATH) and once with the installed one.
+sm_90 target and compiled by Gluon's front end and ptxas. Run in a subprocess by tests/test_gluon_compile.py with the
+installed Triton and by tests/test_gluon_compile_gpu_triton.py with the Triton the H200 has (3.6.0, from a side
+directory on PYTHONPATH).
 
     python tests/sm90_gluon_compile.py             # every variant
     python tests/sm90_gluon_compile.py backward    # the dK/dV kernel's variants alone
