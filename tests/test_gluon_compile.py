@@ -98,9 +98,16 @@ def test_short_calls_without_a_band_start_each_tile_under_the_last(compiled):
     assert across == ["bf16 d128 dv64 n1024", "bf16 d128 n1024 causal False", "bf16 d128 n1024 causal True",
                       "bf16 d128 pingpong, dealt tiles, each tile started under the last",
                       "bf16 d64 causal one consumer, dealt tiles, each tile started under the last",
-                      "bf16 d64 n1024 causal False", "bf16 d64 n1024 causal True",
+                      "bf16 d64 n1024 causal False", "bf16 d64 n1024 causal True", "bf16 d64 sink causal n1024",
                       "fp16 d128 n1024 causal False", "fp16 d128 n1024 causal True",
                       "fp16 d128 softcap n1024", "fp16 d64 n1024 causal False", "fp16 d64 n1024 causal True"], across
+
+
+def test_calls_with_a_learnable_sink_compile_their_own_variant(compiled):
+    """A learnable sink reaches the Gluon forward (HAS_SINK, joined in the epilogue): the table's variants with one
+    carry it, and only those."""
+    sinks = sorted(row["label"] for row in _variants(compiled) if row["constexprs"].get("HAS_SINK"))
+    assert sinks == ["bf16 d128 sink causal", "bf16 d64 sink causal n1024"], sinks
 
 
 def test_packed_batches_compile_at_the_tables_setting_and_the_forced_ones(compiled):
