@@ -45,8 +45,8 @@ run past the end stores its output by masked pointer stores instead of TMA.
 What it serves: fp16 / bf16, head dims whose padded widths are 64 or 128 (q/k and v apart) or 256 (d = dv),
 dense and packed batches, causal (bottom-right) and sliding windows with block skipping, GQA/MQA by head
 arithmetic, softcap, ALiBi, a learnable sink (joined to each row's statistics in the epilogue), the lse. The
-launcher (launch.py) sends everything else to the Triton kernels, and
-explain() says why (configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
+launcher (launch.py) sends everything else to the Triton kernels, and explain() says why
+(configs.gluon_unserved_reason). Design notes and measurements: docs/schedules.md.
 """
 
 from .common import band_mask, descriptor_origin, key_block_bounds, sequence_bounds, tanh
