@@ -31,7 +31,7 @@ def _ms(fn) -> float:
 
 def _tiles_line(explanation) -> str:
     """explain()'s line naming the kernels that run and their tiles."""
-    return next((line for line in str(explanation).splitlines() if line.startswith("tiles:")), "")[:300]
+    return next((line for line in str(explanation).splitlines() if line.startswith("tiles:")), "")
 
 
 def prefill(feature: str) -> None:

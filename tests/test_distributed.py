@@ -261,14 +261,22 @@ def _check_against_oracle(name, world, layout, causal, shards):
     q, k, v, grad_out, grad_lse = _full_inputs(name, world)
     inputs64 = [t.clone().requires_grad_() for t in (q, k, v)]
     want_out, want_lse = flash_attn_reference(*inputs64, causal=causal)
-    want = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
-        (want_out * grad_out).sum() + (want_lse * grad_lse).sum(), inputs64)), out=want_out, lse=want_lse)
+    want = _with_gradients(want_out, want_lse, grad_out, grad_lse, inputs64)
     inputs32 = [t.float().requires_grad_() for t in (q, k, v)]
     with flashtile.use_backend("torch"):
         eager_out, eager_lse = flashtile.flash_attn_func(*inputs32, causal=causal, return_lse=True)
-    eager = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
-        (eager_out * grad_out.float()).sum() + (eager_lse * grad_lse.float()).sum(), inputs32)),
-        out=eager_out, lse=eager_lse)
+    eager = _with_gradients(eager_out, eager_lse, grad_out.float(), grad_lse.float(), inputs32)
+    _assert_ring_follows_the_rule(name, world, got, want, eager)
+
+
+def _with_gradients(out, lse, grad_out, grad_lse, inputs) -> dict:
+    """out, lse and dq, dk, dv of the loss sum(out * grad_out) + sum(lse * grad_lse) with respect to inputs."""
+    grads = torch.autograd.grad((out * grad_out).sum() + (lse * grad_lse).sum(), inputs)
+    return dict(zip(("dq", "dk", "dv"), grads), out=out, lse=lse)
+
+
+def _assert_ring_follows_the_rule(name, world, got, want, eager) -> None:
+    """The ring's float32 out, lse and gradients against the float64 oracle (want), by the eager rule (eager)."""
     for key in ("out", "lse", "dq", "dk", "dv"):
         assert got[key].dtype == torch.float32, f"{key}: dtype {got[key].dtype}"
         assert_close_to_oracle(f"{name}, world {world}: {key}", got[key], want[key].detach(), eager[key].detach(),
@@ -296,20 +304,14 @@ def test_varlen_ring_matches_single_process_attention(name, world, tmp_path_fact
             outs.append(o[0])
             lses.append(l[0])
     want_out, want_lse = torch.cat(outs), torch.cat(lses, dim=1)
-    want = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
-        (want_out * grad_out).sum() + (want_lse * grad_lse).sum(), inputs64)), out=want_out, lse=want_lse)
+    want = _with_gradients(want_out, want_lse, grad_out, grad_lse, inputs64)
     inputs32 = [t.float().requires_grad_() for t in (q, k, v)]
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     with flashtile.use_backend("torch"):
         eager_out, eager_lse = flashtile.flash_attn_varlen_func(*inputs32, cu, cu, longest, longest, causal=causal,
                                                                 return_lse=True)
-    eager = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(
-        (eager_out * grad_out.float()).sum() + (eager_lse * grad_lse.float()).sum(), inputs32)),
-        out=eager_out, lse=eager_lse)
-    for key in ("out", "lse", "dq", "dk", "dv"):
-        assert got[key].dtype == torch.float32, f"{key}: dtype {got[key].dtype}"
-        assert_close_to_oracle(f"{name}, world {world}: {key}", got[key], want[key].detach(), eager[key].detach(),
-                               torch.float32, seed=f"{name}-{world}")
+    eager = _with_gradients(eager_out, eager_lse, grad_out.float(), grad_lse.float(), inputs32)
+    _assert_ring_follows_the_rule(name, world, got, want, eager)
 
 
 def test_ring_over_a_subgroup(tmp_path_factory):
