@@ -147,8 +147,8 @@ def test_dropout_with_a_learnable_sink_follows_the_oracle(variant, dtype, seed):
 
 
 def test_the_fa4_schedule_serves_dropout(seed):
-    """FlashAttention-4's moves (the running max kept within 2^8, one exponential in four by a cubic) beside dropout:
-    the kept probabilities are the same ones."""
+    """FlashAttention-4's moves beside dropout (the running max kept within 2^8, and under the interpreter one
+    exponential in four by a cubic; configs.fa4_tiles): the kept probabilities are the same ones."""
     dtype, p = torch.float16, 0.2
     q, k, v = random_qkv(1, 29, 45, 2, 2, 16, 16, dtype, requires_grad=True)
     mask = _dropout.dense_keep_mask(state_of_seed(seed), p, 1, 2, 29, 45, DEVICE)
@@ -258,7 +258,7 @@ def test_return_attn_probs_gives_the_probabilities_with_dropped_entries_negated(
     assert torch.equal(~torch.signbit(probs), mask), "signbit(S_dmask) is not the drop mask"
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     scores = torch.einsum("bhid,bhjd->bhij", qt, kt.repeat_interleave(2, dim=1)) / math.sqrt(8)
-    causal = torch.ones(13, 19, dtype=torch.bool).tril(19 - 13)
+    causal = torch.ones(13, 19, dtype=torch.bool, device=DEVICE).tril(19 - 13)
     expected = scores.masked_fill(~causal, -math.inf).softmax(-1)
     error, where = max_abs_error(probs.abs(), expected)
     assert error < 1e-12, f"|S_dmask| differs from softmax by {error:.2e} at {where}"

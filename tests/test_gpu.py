@@ -82,7 +82,7 @@ def test_triton_realistic_shapes_with_a_learnable_sink(case, dtype, seed):
 GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0, gluon_across_tiles=0),
                   "pingpong": dict(gluon_pingpong=1),
                   "one-cta-per-tile": dict(gluon_persistent=0), "overlap-pingpong-one-cta": dict(
-                      gluon_pingpong=1, gluon_persistent=0), "three-stages": dict(gluon_stages=3),
+                      gluon_pingpong=1, gluon_persistent=0), "three-stages": dict(gluon_stages=3, gluon_across_tiles=0),
                   "three-consumers": dict(gluon_consumers=3, gluon_across_tiles=0),
                   "three-consumers-one-cta-per-tile": dict(
                       gluon_consumers=3, gluon_overlap=0, gluon_persistent=0, gluon_across_tiles=0),
@@ -92,7 +92,7 @@ GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0, gluon_across_
                   "across-tiles": dict(gluon_across_tiles=1),
                   "across-tiles-dealt-pingpong": dict(gluon_across_tiles=1, gluon_balanced=1, gluon_pingpong=1),
                   "across-tiles-dealt": dict(gluon_across_tiles=1, gluon_balanced=1),
-                  "one-consumer": dict(gluon_consumers=1, gluon_block_n=64),
+                  "one-consumer": dict(gluon_consumers=1, gluon_block_n=64, gluon_pingpong=0),
                   "one-consumer-dealt-across-tiles": dict(gluon_consumers=1, gluon_balanced=1, gluon_across_tiles=1)}
 GLUON_CASES = {
     "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),

@@ -570,9 +570,12 @@ def fa4_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> 
     cubic's 1.0e-4 would exceed the rounding: every exponential on the exp2 unit). On a GPU, 128-key blocks take 2
     stages instead of 3: splitting the score tile into its columns (tl.split / tl.join in common.exp2_columns)
     converts layouts through shared memory, and the d = 128 forward's 128 x 128 tile needed 262,200 bytes with 3
-    stages (triton 3.6, sm_90), over sm_90's 232,448; 196,640 with 2. Not measured on a GPU."""
+    stages (triton 3.6, sm_90), over sm_90's 232,448; 196,640 with 2. Not measured on a GPU. With dropout on a GPU
+    every exponential stays on the exp2 unit: triton 3.6 fails an assertion (applyLinearLayout, lowering to LLVM)
+    compiling the TMA forward with both the cubic's column split and the dropout mask (H200)."""
     tiles = portable_tiles(problem, capability)
-    every = FA4_EXP2_POLY_EVERY if problem.dtype in (torch.float16, torch.bfloat16) else 0
+    cubic = problem.dtype in (torch.float16, torch.bfloat16) and not (capability is not None and problem.dropout_p > 0)
+    every = FA4_EXP2_POLY_EVERY if cubic else 0
     stages = 2 if capability is not None and every and tiles.block_n >= 128 else tiles.num_stages
     return dataclasses.replace(tiles, rescale_threshold=FA4_RESCALE_THRESHOLD, exp2_poly_every=every,
                                num_stages=min(stages, tiles.num_stages))
