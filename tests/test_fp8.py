@@ -157,7 +157,7 @@ def test_quantize_shapes_dtypes_and_the_dequantisation_rule(block, rotate):
         assert torch.equal(deq, dequantize_by_loops(x8, descale, block, 2)), f"{name}: dequantize breaks its rule"
 
 
-@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("block", [None, 8])  # 8 divides 40: whole groups
 def test_each_group_is_scaled_to_448_and_rounded_within_e4m3_bounds(block):
     q, k, v = qkv(seqlen_q=40, seqlen_k=40)
     result = fp8.quantize(q, k, v, block=block)
@@ -243,7 +243,7 @@ QUANTIZE_BAD_INPUTS = {
                  ValueError, r"k contains inf or NaN; FP8 quantisation needs finite values"),
     "huge float64 v": (lambda: fp8.quantize(*[t * (1e300 if i == 2 else 1) for i, t in
                                               enumerate(qkv(dtype=torch.float64))]),
-                       ValueError, r"v holds magnitudes up to 1e\+300"),
+                       ValueError, r"v holds magnitudes up to [0-9.]+e\+300, beyond what a float32 descale"),
     "mixed dtypes": (lambda: fp8.quantize(*[t.double() if i == 1 else t for i, t in enumerate(qkv())]), TypeError,
                      r"share one dtype"),
     "integer q": (lambda: fp8.quantize(*[t.int() if i == 0 else t for i, t in enumerate(qkv())]), TypeError,
@@ -260,7 +260,7 @@ def test_quantize_bad_inputs_raise_naming_the_argument(case):
         call()
 
 
-def _dequantize_with(block=None, **replace):
+def _dequantize_with(**replace):
     result = fp8.quantize(*qkv(seqlen_q=20, seqlen_k=20), block=8)
     args = dict(q_descale=result.q_descale, k_descale=result.k_descale, v_descale=result.v_descale, block=8)
     tensors = dict(q=result.q, k=result.k, v=result.v)

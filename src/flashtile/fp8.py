@@ -249,8 +249,8 @@ def _expand_descale(descale: Tensor, x_shape: torch.Size, block: int | None) -> 
 
 
 def _quantize_one(name: str, x: Tensor, nheads_k: int, block: int | None) -> tuple[Tensor, Tensor]:
-    amax = _group_amax(x, nheads_k, block).to(torch.float32)
-    descale = amax / E4M3_MAX
+    amax = _group_amax(x, nheads_k, block)  # in x's working dtype, so the message below shows the true value
+    descale = (amax / E4M3_MAX).to(torch.float32)
     if not bool(torch.isfinite(descale).all()):
         raise ValueError(f"{name} holds magnitudes up to {amax.max().item():g}, beyond what a float32 descale "
                          f"({torch.finfo(torch.float32).max:g} * 448) can represent")

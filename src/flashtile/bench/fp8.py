@@ -104,7 +104,7 @@ def _precision_output(precision: str, q: Tensor, k: Tensor, v: Tensor, rows: Ten
     return flash_attn_reference(q[:, rows], k, v)[0]
 
 
-def accuracy_report(*, batch: int = 1, seqlen: int = 16384, nheads: int = 4, headdim: int = 128, block: int = 128,
+def accuracy_report(*, batch: int = 1, seqlen: int = 16384, nheads: int = 2, headdim: int = 128, block: int = 128,
                     query_rows: int | None = 256, outlier_fraction: float = 0.001, outlier_scale: float = 10.0,
                     seed: int = 0, rotation_seed: int = 0) -> AccuracyResult:
     """Errors of bf16 and three FP8 quantisations of q, k, v against float64 attention, on two kinds of inputs.
