@@ -25,20 +25,23 @@ largest finite e4m3 number, so the largest element maps to +-448. A group of zer
 sequence's end) gets the scale 1, never 0 or NaN. Values are divided by the scale in float32 (float64 for float64
 inputs) and rounded to nearest in e4m3.
 
-Rotation (rotate=True): q and k are multiplied on the right by the orthogonal matrix R = diag(signs) H / sqrt(d)
-(H the d x d Sylvester-Hadamard matrix, signs a random +-1 vector, the same for every head), computed by the fast
+Rotation (rotate=True): q and k are multiplied on the right by the orthogonal matrix R = diag(signs) H / sqrt(d) (H
+the d x d Sylvester-Hadamard matrix, signs a random +-1 vector, the same for every head), computed by the fast
 Walsh-Hadamard transform in O(d log d) per row. Because R R^T = I, (q R)(k R)^T = q k^T: the scores, and so the
 attention output, are unchanged, and a kernel needs to know nothing about the rotation. v is never rotated (its
-rotation would not cancel inside P V). Why it helps: a row with a few large entries (outliers) forces a large scale
-on its whole group, and every other element is then rounded coarsely; after the rotation each output element is a
-+-1 mix of all d inputs divided by sqrt(d), so an outlier is spread over the row and amax drops towards the row's
-typical size. The head dim must be a power of two for the transform.
+rotation would not cancel inside P V). Why it helps: an outlier channel l makes the product q_l k_l dominate the
+scores it enters, and rounding each factor to e4m3's 3 mantissa bits errs by up to 2^-4 of that large product; after
+the rotation every channel is a +-1 mix of all d channels over sqrt(d), the outlier's energy is spread over the row,
+and the rounding errors of d comparable products average out instead. The head dim must be a power of two for the
+transform.
 
-When to use what: block scales cost one more scale per tile in the kernel and pay off whenever magnitudes vary
-along the sequence (some tokens much larger than others); the rotation pays off when individual channels carry
-outliers (the usual case in trained language models' q and k) and costs a transform of q and k per call (or, for
-k, once when it enters a KV cache). With Gaussian inputs and no outliers neither helps much. The accuracy report
-(`flashtile bench --fp8`, flashtile.bench.fp8.accuracy_report) measures all of them.
+When to use what: e4m3 is floating point, so a scale mostly decides which values fall below its normal range; the
+relative rounding of the rest is the same under any scale. Block scales therefore help only where magnitudes vary by
+orders along the sequence, and cost one more scale per tile in a kernel. The rotation helps when individual channels
+of q and k carry outliers (the usual case in trained language models), and the more keys a row has, the more it
+helps; it costs a transform of q per call and of k once per key (when it enters a cache). With Gaussian inputs
+neither changes the error measurably. The accuracy report (`flashtile bench --fp8`,
+flashtile.bench.fp8.accuracy_report) measures all of them; docs/fp8.md has its results.
 """
 
 from __future__ import annotations
@@ -268,7 +271,7 @@ def quantize(q: Tensor, k: Tensor, v: Tensor, *, block: int | None = None, rotat
 
     q: (batch, seqlen_q, nheads, headdim), k: (batch, seqlen_k, nheads_k, headdim), v: (batch, seqlen_k, nheads_k,
     headdim_v), one floating dtype (float16, bfloat16, float32 or float64) and one device, nheads a multiple of
-    nheads_k. The values must be finite.
+    nheads_k. The values must be finite (checked, which reads them: a synchronisation when they live on a GPU).
     block: None for per-tensor scales, one per (batch, key/value head) as in flash-attn's FP8 interface; or a
         number of rows: one scale per (batch, head, block of `block` rows) of each tensor (FlashAttention-3).
     rotate: multiply q and k by diag(signs) H / sqrt(headdim) before quantising (headdim a power of two); v is not

@@ -1,6 +1,6 @@
 """`flashtile bench --fp8`: the error FP8 quantisation of q, k, v adds to attention, beside bf16.
 
-What is measured, honestly: each precision's inputs are made (bf16-rounded, or quantised by flashtile.fp8.quantize
+What is measured: each precision's inputs are made (bf16-rounded, or quantised by flashtile.fp8.quantize
 and dequantised by flashtile.fp8.dequantize), then attention is computed by the float64 oracle
 (flashtile.reference) on them, and compared with the float64 attention of the original float32 inputs. So the FP8
 rows give the error of the quantisation alone: the error an FP8 kernel adds on top (its float32 accumulation, and
@@ -15,8 +15,9 @@ outlier_scale times larger. Precisions:
     fp8-tensor        float8_e4m3fn, one scale per (batch, kv head) (flash-attn's FP8 descales)
     fp8-block         one scale per (batch, head, block of rows)
     fp8-block-rotated the same after the random Hadamard rotation of q and k (v is not rotated)
-Errors: RMSE and max abs error of the output (batch, seqlen, nheads, headdim) against the float64 reference, and
-the ratio of the fp8-tensor RMSE to each row's (how many times lower its RMSE is).
+Errors: RMSE and max abs error of the compared output rows (query_rows sampled query positions of every batch and
+head, each attending to all keys; accuracy_report) against the float64 reference, and the ratio of the fp8-tensor
+RMSE to each row's (how many times lower its RMSE is).
 """
 
 from __future__ import annotations
