@@ -231,6 +231,19 @@ def test_quantize_is_deterministic_and_takes_a_generator():
         assert torch.equal(getattr(a, f"{name}_descale"), getattr(b, f"{name}_descale")), f"{name}_descale"
 
 
+def test_non_contiguous_views_quantize_like_their_copies_and_carry_no_autograd():
+    # (batch, nheads, seqlen, headdim) storage read through flash-attn's layout, and a strided slice of heads
+    q = torch.randn(2, 4, 33, 64).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 33, 4, 64)[:, :, ::2]
+    v = torch.randn(2, 2, 33, 32).transpose(1, 2)
+    views = fp8.quantize(q, k, v, block=16, rotate=True)
+    copies = fp8.quantize(q.detach().contiguous(), k.contiguous(), v.contiguous(), block=16, rotate=True)
+    for name in ("q", "k", "v"):
+        assert torch.equal(getattr(views, name).view(torch.uint8), getattr(copies, name).view(torch.uint8)), name
+        assert torch.equal(getattr(views, f"{name}_descale"), getattr(copies, f"{name}_descale")), f"{name}_descale"
+    assert not any(t.requires_grad for t in (views.q, views.q_descale)), "quantize's results must carry no autograd"
+
+
 QUANTIZE_BAD_INPUTS = {
     "rotate with head dim 48": (lambda: fp8.quantize(*qkv(headdim=48), rotate=True), ValueError,
                                 r"q has head dim 48; the Hadamard transform needs a power of two"),

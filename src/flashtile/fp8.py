@@ -272,6 +272,7 @@ def quantize(q: Tensor, k: Tensor, v: Tensor, *, block: int | None = None, rotat
     q: (batch, seqlen_q, nheads, headdim), k: (batch, seqlen_k, nheads_k, headdim), v: (batch, seqlen_k, nheads_k,
     headdim_v), one floating dtype (float16, bfloat16, float32 or float64) and one device, nheads a multiple of
     nheads_k. The values must be finite (checked, which reads them: a synchronisation when they live on a GPU).
+    Not differentiable: the results carry no autograd history, whatever the inputs' requires_grad.
     block: None for per-tensor scales, one per (batch, key/value head) as in flash-attn's FP8 interface; or a
         number of rows: one scale per (batch, head, block of `block` rows) of each tensor (FlashAttention-3).
     rotate: multiply q and k by diag(signs) H / sqrt(headdim) before quantising (headdim a power of two); v is not
@@ -295,6 +296,12 @@ def quantize(q: Tensor, k: Tensor, v: Tensor, *, block: int | None = None, rotat
         if t.numel() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} contains inf or NaN; FP8 quantisation needs finite values (a scale is set by "
                              f"the largest magnitude)")
+    with torch.no_grad():  # rounding to e4m3 has no useful gradient; the results are data for a kernel
+        return _quantize(q, k, v, block, rotate, seed, generator)
+
+
+def _quantize(q: Tensor, k: Tensor, v: Tensor, block: int | None, rotate: bool, seed: int | None,
+              generator: torch.Generator | None) -> QuantizedQKV:
     nheads_k = k.shape[2]
     work = _working_dtype(q.dtype)
     q, k, v = q.to(work), k.to(work), v.to(work)
