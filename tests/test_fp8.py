@@ -199,6 +199,7 @@ def test_zero_groups_get_scale_one_and_empty_sequences_work():
     empty = fp8.quantize(*qkv(seqlen_q=0, seqlen_k=0), block=8)
     assert empty.q_descale.shape == (2, 4, 0) and empty.k_descale.shape == (2, 2, 0)
     assert fp8.quantize(*qkv(seqlen_q=0, seqlen_k=0)).k_descale.shape == (2, 2)
+    assert fp8.quantize(*qkv(seqlen_q=0, seqlen_k=5), block=4, rotate=True).q.shape == (2, 0, 4, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -116,11 +116,12 @@ def _fwht(x: Tensor) -> Tensor:
     d = x.shape[-1]
     lead = x.shape[:-1]
     y = x.reshape(-1, d)
+    rows = y.shape[0]  # explicit, not -1: a view of zero rows cannot infer it
     h = 1
     while h < d:
-        pairs = y.view(-1, d // (2 * h), 2, h)
+        pairs = y.view(rows, d // (2 * h), 2, h)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2).view(-1, d)
+        y = torch.stack((a + b, a - b), dim=2).view(rows, d)
         h *= 2
     return y.view(*lead, d)
 
