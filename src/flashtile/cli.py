@@ -98,6 +98,8 @@ def bench(args: argparse.Namespace) -> int:
     # imported here so that `demo` does not pay for the benchmark's imports
     from .bench import report, runner
 
+    if args.fp8:
+        return _bench_fp8(args)
     if args.from_json:
         return _redraw(args, report)
     if args.mode is not None and args.mode.strip() == "decode":
@@ -176,6 +178,46 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_fp8(args: argparse.Namespace) -> int:
+    """`bench --fp8`: the FP8 quantisation accuracy report (table to stdout, --json). It times nothing and runs on
+    the CPU, so the grid's options do not apply; --headdim and --seqlens may each give one value."""
+    from .bench import fp8, report
+
+    grid_options = {"--device": args.device, "--dtype": args.dtype, "--causal": None if args.causal == "both" else 1,
+                    "--mode": args.mode, "--batches": args.batches, "--cache-lens": args.cache_lens,
+                    "--pages": args.pages, "--providers": args.providers, "--quick": args.quick or None,
+                    "--max-call-seconds": args.max_call_seconds, "--schedules": args.schedules or None,
+                    "--plot": args.plot, "--from-json": args.from_json}
+    given = [flag for flag, value in grid_options.items() if value is not None]
+    if given:
+        print(f"flashtile bench: error: --fp8 measures quantisation error on the CPU and takes only --headdim, "
+              f"--seqlens and --json; drop {', '.join(given)}", file=sys.stderr)
+        return 2
+    sizes = {}
+    for flag, key, text in (("--headdim", "headdim", args.headdim), ("--seqlens", "seqlen", args.seqlens)):
+        if text is None:
+            continue
+        try:
+            sizes[key] = int(text)
+        except ValueError:
+            print(f"flashtile bench: error: {flag} with --fp8 takes one integer, got {text!r}", file=sys.stderr)
+            return 2
+    problem = _output_path_error(args.json, "--json")
+    if problem:
+        print(f"flashtile bench: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        result = fp8.accuracy_report(**sizes)
+    except ValueError as error:
+        print(f"flashtile bench: error: {error}", file=sys.stderr)
+        return 2
+    print(fp8.format_accuracy_table(result), flush=True)
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _redraw(args: argparse.Namespace, report) -> int:
     """`bench --from-json PATH`: print (and with --plot, draw) a saved run without measuring anything."""
     if not os.path.isfile(args.from_json):
@@ -242,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode) on the same inputs instead of the peers: TFLOP/s, fraction of the measured matmul ceiling, the "
                         "IO model's HBM bytes, kernels, max abs error vs float64; on the CPU only under "
                         "TRITON_INTERPRET=1, at tiny shapes")
+    b.add_argument("--fp8", action="store_true",
+                   help="time nothing: report the error FP8 quantisation of q, k, v adds to attention (per-tensor, "
+                        "block, block with the Hadamard rotation; bf16 beside them) against float64, on Gaussian "
+                        "inputs and inputs with outliers; CPU only, a few seconds; --headdim and --seqlens take one "
+                        "value each")
     b.add_argument("--json", default=None, metavar="PATH", help="write the header and every row to PATH")
     b.add_argument("--plot", default=None, metavar="PATH", help="draw TFLOP/s to a PNG at PATH (needs matplotlib)")
     b.add_argument("--from-json", default=None, metavar="PATH",
