@@ -179,8 +179,18 @@ NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTC
          "HAS_SINK", "maxnreg")
 
 
+def _triton_ptxas_flags() -> list[str]:
+    """The register-allocation flag Triton's own ptxas call adds (triton 3.9 passes --regAllocOptLevel=2, working
+    around a ptxas 13 bug; 3.6 passes none), so that the report's ptxas allocates as the compiled kernel's did."""
+    import inspect
+
+    from triton.backends.nvidia import compiler
+    return ["--regAllocOptLevel=2"] if "--regAllocOptLevel=2" in inspect.getsource(compiler) else []
+
+
 def ptxas_report(ptx: str) -> dict:
-    """Spill stores and loads (bytes per thread) as the ptxas that Triton uses for sm_90 reports them (-v)."""
+    """Spill stores and loads (bytes per thread) as the ptxas that Triton uses for sm_90 reports them (-v), with
+    Triton's register-allocation flag."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
         ptxas = get_ptxas(90).path
@@ -191,8 +201,8 @@ def ptxas_report(ptx: str) -> dict:
         source = os.path.join(directory, "kernel.ptx")
         with open(source, "w") as f:
             f.write(ptx)
-        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", source, "-o", os.path.join(directory, "kernel.o")],
-                             capture_output=True, text=True).stderr
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", *_triton_ptxas_flags(), source, "-o",
+                              os.path.join(directory, "kernel.o")], capture_output=True, text=True).stderr
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if not spills:
         return {"ptxas": log[-500:]}
