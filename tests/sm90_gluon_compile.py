@@ -214,7 +214,8 @@ def report(label, recorded) -> dict:
                 wgmma="wgmma.mma_async" in ptx, setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned"
                                                                                r"\.u32\s+(\d+)", ptx))),
                 wait_depths=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-                tma="cp.async.bulk.tensor" in ptx, **ptxas_report(ptx))
+                tma="cp.async.bulk.tensor" in ptx,
+                tma_reduce=sorted(set(re.findall(r"cp\.reduce\.async\.bulk\.tensor[\w.:]*", ptx))), **ptxas_report(ptx))
 
 
 def main(backward_only: bool = False) -> int:
