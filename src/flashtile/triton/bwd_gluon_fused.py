@@ -17,7 +17,8 @@ forms that block's share of dQ and adds it into a float32 accumulator in global 
   own is in flight (`tma.store_wait(1)`), i.e. until the reduce issued two blocks before has read it;
 - dK (times the softmax scale) and dV are stored by TMA from the K and V buffers as in bwd_gluon.py.
 
-dQᵀ, not dQ: a warpgroup's wgmma has M = 64 rows, and the query blocks are 32 rows where a head is 128 wide. dQᵀ of a
+dQᵀ, not dQ: a warpgroup's wgmma has M = 64 rows, and the query blocks are 32 or 16 rows where a head is 128 wide
+(configs.fused_gluon_backward_tile). dQᵀ of a
 block has as many rows as the head is wide (64 or 128) against the block's query columns; so the accumulator is
 stored transposed, (batch, heads, headdim, seqlen_q rounded up to 4), each query head's [headdim, BLOCK_M] box one
 block's dQᵀ (the copy engine clips rows past headdim and columns past seqlen_q). Each of the two consumers adds its
@@ -78,7 +79,8 @@ if AVAILABLE:
                            pt_layout: gl.constexpr, dst_layout: gl.constexpr, HAS_LEFT: gl.constexpr,
                            HAS_RIGHT: gl.constexpr, SCALE_IN_EXP2: gl.constexpr):
         """One query block for one consumer: (dk, dv) with the block added, and the block's dQᵀ share (its 64 keys)
-        handed to the copy engine from dq_buffer, a float32 [1, 1, BLOCK_D, BLOCK_M] box no bulk operation still reads."""
+        handed to the copy engine from dq_buffer, a float32 [1, 1, BLOCK_D, BLOCK_M] box that no bulk operation still
+        reads."""
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
         dtype: gl.constexpr = q_block.dtype
         BLOCK_M: gl.constexpr = q_block.shape[0]

@@ -158,6 +158,17 @@ def gluon_backward_tile(problem: AttentionProblem, overlap: bool = False) -> tup
     return (32 if wide else 64), (3 if overlap else 2)
 
 
+def fused_gluon_backward_tile(problem: AttentionProblem) -> tuple[int, int]:
+    """(query rows per block, Q / dO ring stages) of the fused Gluon backward (backward schedule 5,
+    bwd_gluon_fused.py): gluon_backward_tile's, except 16 rows where both head widths pad to 128 and the band has a
+    left edge (a window): at 32 there, beside the 128-wide dK, dV and dQᵀ accumulators, triton 3.6's ptxas spills
+    16 / 28 bytes per thread (triton 3.9 none). Not tuned on a GPU."""
+    rows, stages = gluon_backward_tile(problem)
+    if padded_width(problem.headdim) == padded_width(problem.headdim_v) == 128 and problem.window_left >= 0:
+        rows = 16
+    return rows, stages
+
+
 def gluon_backward_unserved_reason(problem: AttentionProblem, overlap: bool = False, fused: bool = False) -> str:
     """Why the Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py), or with `fused` the fused Gluon backward
     (schedule 5, bwd_gluon_fused.py), does not serve `problem` ('' where it does), with the intra-warpgroup overlap
@@ -381,7 +392,7 @@ class TritonTiles:
             overlap = bool(self.gluon_backward_overlap)
             fused = self.backward_schedule == FUSED_GLUON_BACKWARD_SCHEDULE
             reason = gluon_backward_unserved_reason(problem, overlap, fused)
-            rows, stages = gluon_backward_tile(problem, overlap)
+            rows, stages = fused_gluon_backward_tile(problem) if fused else gluon_backward_tile(problem, overlap)
             overlapped = (", the next query block's score matmuls issued before each block's dV and dK "
                           "(intra-warpgroup overlap)" if overlap else "")
             kernel = "the fused Gluon backward" if fused else "the Gluon dK/dV kernel"

@@ -654,7 +654,7 @@ def _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, problem: Atte
     `fused`: dk and dv (the flash layout, contiguous) and dq, through a zeroed float32 accumulator that the kernel
     adds into by TMA and attention_bwd_dq_convert_kernel converts; delta comes from the preprocess kernel."""
     p = problem
-    block_m, stages = configs.gluon_backward_tile(p)
+    block_m, stages = configs.fused_gluon_backward_tile(p)
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
     # dQ transposed, (batch, heads, headdim, query rows rounded up to 4 so that TMA's 16-byte stride rule holds); one
     # [1, 1, block_d, block_m] box is a query block's dQᵀ (rows past headdim and columns past seqlen_q clipped)
