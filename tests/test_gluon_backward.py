@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.triton import configs
+from flashtile.triton import configs, launch
 
 from conftest import DEVICE, random_qkv
 from sm90_launches import problem_for
@@ -222,3 +222,22 @@ def test_a_call_the_fused_backward_turns_away_runs_backward_schedule_2(seed):
                     "CPU interpreter), so backward (attention_bwd_dq_kernel") in text, text
     for name, a, b in zip(("dq", "dk", "dv"), grads[5], grads[2]):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the conversion alone, under the interpreter (on an H200 "
+                                                 "tests/test_gpu.py checks the whole schedule)")
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_the_fused_backwards_dq_conversion_transposes_and_scales_the_accumulator(dtype):
+    """attention_bwd_dq_convert_kernel: dq[b, m, h, :] = softmax_scale * accumulator[b, h, :, m], over a ragged
+    query length (113: columns 113-115 of the rounded-up accumulator never read) and a padded head dim (72)."""
+    problem = dataclasses.replace(problem_for(113, 200, 72, 72, dtype, False, batch=2, nheads=3), softmax_scale=0.3)
+    accumulator = launch._dq_accumulator(problem, torch.device("cpu"))
+    assert accumulator.shape == (2, 3, 72, 116)
+    accumulator.normal_()
+    accumulator[..., 113:] = float("nan")  # past the queries: must never reach dq
+    dq = torch.empty(2, 113, 3, 72, dtype=dtype)
+    launch._convert_dq(accumulator, dq, problem, block_d=128)
+    want = accumulator[..., :113].permute(0, 3, 1, 2) * 0.3
+    # within one rounding to dtype (the interpreter rounds bf16 its own way; fp16's subnormals have absolute steps)
+    excess = ((dq.float() - want).abs() - torch.finfo(dtype).eps * want.abs() - torch.finfo(dtype).tiny).max().item()
+    assert excess <= 0, f"dq: beyond one rounding by {excess:.2e}"

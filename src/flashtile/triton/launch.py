@@ -649,6 +649,24 @@ def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: Attention
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=overlap, CONSUMER_REGISTERS=240, num_warps=4, maxnreg=168)
 
 
+def _dq_accumulator(problem: AttentionProblem, device: torch.device) -> torch.Tensor:
+    """The fused Gluon backward's zeroed float32 dQ accumulator: dQ transposed, (batch, heads, headdim, query rows
+    rounded up to 4 so that TMA's 16-byte stride rule holds)."""
+    p = problem
+    return torch.zeros(p.batch, p.nheads, p.headdim, _cdiv(p.seqlen_q, 4) * 4, dtype=torch.float32, device=device)
+
+
+def _convert_dq(accumulator: torch.Tensor, dq: torch.Tensor, problem: AttentionProblem, block_d: int) -> None:
+    """dq (batch, seqlen_q, nheads, headdim) = softmax_scale * the accumulator transposed, in dq's dtype
+    (attention_bwd_dq_convert_kernel)."""
+    p = problem
+    row_programs = _cdiv(p.seqlen_q, 64)
+    launch(
+        attention_bwd_dq_convert_kernel, _grid(row_programs * p.batch * p.nheads), (accumulator, dq),
+        (*accumulator.stride()[:3], *_row_strides(dq, 1), p.nheads, p.seqlen_q, row_programs, p.softmax_scale),
+        HEADDIM=p.headdim, BLOCK_M=64, BLOCK_D=block_d, num_warps=4)
+
+
 def _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, problem: AttentionProblem, scalars, flags):
     """The fused Gluon backward (bwd_gluon_fused.py) of a dense call that gluon_backward_unserved accepts with
     `fused`: dk and dv (the flash layout, contiguous) and dq, through a zeroed float32 accumulator that the kernel
@@ -656,10 +674,8 @@ def _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, problem: Atte
     p = problem
     block_m, stages = configs.fused_gluon_backward_tile(p)
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
-    # dQ transposed, (batch, heads, headdim, query rows rounded up to 4 so that TMA's 16-byte stride rule holds); one
-    # [1, 1, block_d, block_m] box is a query block's dQᵀ (rows past headdim and columns past seqlen_q clipped)
-    padded_rows = _cdiv(p.seqlen_q, 4) * 4
-    accumulator = torch.zeros(p.batch, p.nheads, p.headdim, padded_rows, dtype=torch.float32, device=q.device)
+    accumulator = _dq_accumulator(p, q.device)
+    # one [1, 1, block_d, block_m] box is a query block's dQᵀ (rows past headdim and columns past seqlen_q clipped)
     dq_descriptor = object.__new__(gluon_compat.TensorDescriptor)
     dq_descriptor.__dict__.update(
         base=accumulator, shape=[p.batch, p.nheads, p.headdim, p.seqlen_q], strides=list(accumulator.stride()),
@@ -678,12 +694,7 @@ def _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, problem: Atte
          *scalars),
         BLOCK_M=block_m, NUM_STAGES=stages, HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], CONSUMER_REGISTERS=240, num_warps=4, maxnreg=168)
-    row_programs = _cdiv(p.seqlen_q, 64)
-    launch(
-        attention_bwd_dq_convert_kernel, _grid(row_programs * p.batch * p.nheads), (accumulator, dq),
-        (*accumulator.stride()[:3], *_row_strides(dq, 1), p.nheads, p.seqlen_q, row_programs,
-         p.softmax_scale),
-        HEADDIM=p.headdim, BLOCK_M=64, BLOCK_D=block_d, num_warps=4)
+    _convert_dq(accumulator, dq, p, block_d)
 
 
 def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4, min_blocks: int = 4,
