@@ -18,12 +18,11 @@ forms that block's share of dQ and adds it into a float32 accumulator in global 
 - dK (times the softmax scale) and dV are stored by TMA from the K and V buffers as in bwd_gluon.py.
 
 dQᵀ, not dQ: a warpgroup's wgmma has M = 64 rows, and the query blocks are 32 or 16 rows where a head is 128 wide
-(configs.fused_gluon_backward_tile). dQᵀ of a
-block has as many rows as the head is wide (64 or 128) against the block's query columns; so the accumulator is
-stored transposed, (batch, heads, headdim, seqlen_q rounded up to 4), each query head's [headdim, BLOCK_M] box one
-block's dQᵀ (the copy engine clips rows past headdim and columns past seqlen_q). Each of the two consumers adds its
-own 64 keys' share: two reduces per (key block, query block). attention_bwd_dq_convert_kernel then writes
-dq = softmax_scale * accumulatorᵀ in the inputs' dtype and layout.
+(configs.fused_gluon_backward_tile). dQᵀ of a block has as many rows as the head is wide (64 or 128) against the
+block's query columns; so the accumulator is stored transposed, (batch, heads, headdim, seqlen_q rounded up to 4),
+each query head's [headdim, BLOCK_M] box one block's dQᵀ (the copy engine clips rows past headdim and columns past
+seqlen_q). Each of the two consumers adds its own 64 keys' share: two reduces per (key block, query block).
+attention_bwd_dq_convert_kernel then writes dq = softmax_scale * accumulatorᵀ in the inputs' dtype and layout.
 
 The additions into the accumulator arrive in the order the copy engine completes them, so dQ is not bitwise
 reproducible from run to run (dK and dV are: their additions keep their order). Delta = rowsum(dO ∘ O) − dlse comes
@@ -31,7 +30,9 @@ from bwd.py's preprocess kernel, launched first; the accumulator is zeroed befor
 
 What it serves is what bwd_gluon.py serves without its intra-warpgroup overlap (configs.gluon_backward_unserved_reason
 with backward schedule 5): fp16 / bf16 dense batches, padded head widths 64 or 128 (q/k and v apart), causal and
-windows with block skipping, GQA / MQA, ragged ends, a gradient through the lse.
+windows with block skipping, GQA / MQA, ragged ends, a gradient through the lse. Not served (backward schedule 2 runs
+them): dropout, softcap, ALiBi, attn_mask, packed batches, 256-wide heads, the intra-warpgroup overlap. Design notes
+and the forms that were tried and spilled: docs/schedules.md (backward schedule 5).
 """
 
 import triton
