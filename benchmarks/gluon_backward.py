@@ -1,17 +1,21 @@
-"""The Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py) on an H200: gradients against the float64 oracle with
-bitwise reruns, and backward times beside the table's Triton backward, cuDNN and FA2 (SDPA's flash backend).
+"""The Gluon backward kernels on an H200 (the dK/dV kernel, backward schedule 4, bwd_gluon.py; the fused backward,
+schedule 5, bwd_gluon_fused.py): gradients against the float64 oracle with reruns, and backward times beside the
+table's Triton backward, cuDNN and FA2 (SDPA's flash backend).
 
     python benchmarks/gluon_backward.py check          # small and ragged cases, bf16 and fp16, schedule 4 without
                                                        # and with the intra-warpgroup overlap (gluon_backward_overlap,
-                                                       # where it serves the case): dq, dk, dv (through out and lse)
-                                                       # within 2x the eager error; a rerun bitwise equal; whether the
-                                                       # two settings give the same bits (reported, not required)
+                                                       # where it serves the case) and schedule 5: dq, dk, dv (through
+                                                       # out and lse) within 2x the eager error; a rerun bitwise equal
+                                                       # (schedule 5: dk and dv; its dq's additions arrive in the copy
+                                                       # engine's order, so whether dq's bits moved is reported);
+                                                       # whether the settings give the same bits (reported)
     python benchmarks/gluon_backward.py time [CELLS]   # backward alone on the 12-cell grid (or CELLS like
                                                        # d128n4096c1,d64n1024c0): schedule 4 without and with the
-                                                       # overlap, the table's schedule, cuDNN, FA2; TFLOP/s and the
-                                                       # kernels' names from the profiler
-    python benchmarks/gluon_backward.py reruns N       # N forward + backward reruns of two shapes under schedule 4:
-                                                       # no NaN, no changed bit
+                                                       # overlap, schedule 5, the table's schedule, cuDNN, FA2;
+                                                       # TFLOP/s and the kernels' names from the profiler
+    python benchmarks/gluon_backward.py reruns N [S]   # N forward + backward reruns of two shapes under schedule S
+                                                       # (4 or 5, default 4): no NaN, no changed bit (schedule 5: in
+                                                       # dk and dv; dq's changed reruns are counted apart)
 
 Inputs are random from fixed seeds; times are triton.testing.do_bench medians of one torch.autograd.grad over a kept
 graph, in the FlashAttention benchmark convention (16,384 tokens per batch, model width 2048; backward FLOPs 2.5 x
@@ -59,7 +63,12 @@ def _inputs(shape, dtype, seed, scale_q=1.0):
             make(batch, seqlen_k, nheads_k, headdim_v).requires_grad_())
 
 
-OVERLAP_SETTINGS = ((0, "gluon"), (1, "gluon overlap"))  # gluon_backward_overlap, the name a row gives it
+# (backward_schedule, gluon_backward_overlap, the name a row gives it, what explain() names where it serves the call)
+SETTINGS = ((4, 0, "gluon", "attention_bwd_dkdv_gluon_kernel (Gluon"),
+            (4, 1, "gluon overlap", "attention_bwd_dkdv_gluon_kernel (Gluon"),
+            (5, 0, "fused", "attention_bwd_fused_gluon_kernel (Gluon"))
+# the schedules whose dq is bitwise reproducible (schedule 5 adds dQ by TMA reduce, in the copy engine's order)
+BITWISE_DQ = (4,)
 
 
 def _grads(q, k, v, grad_out, grad_lse, options, schedule=None, overlap=0):
@@ -89,17 +98,17 @@ def check() -> bool:
             want = _grads(q64, k64, v64, grad_out, grad_lse, options)
             eager = _grads(q, k, v, grad_out, grad_lse, dict(options, dtype=dtype))
             results = {}
-            for overlap, setting in OVERLAP_SETTINGS:
-                with flashtile.use_backend("triton", backward_schedule=4, gluon_backward_overlap=overlap):
+            for schedule, overlap, setting, kernel in SETTINGS:
+                with flashtile.use_backend("triton", backward_schedule=schedule, gluon_backward_overlap=overlap):
                     text = flashtile.explain(q, k, v, **options)
-                if "attention_bwd_dkdv_gluon_kernel (Gluon" not in text:
+                if kernel not in text:
                     # the overlap does not serve every case (configs.gluon_backward_unserved_reason says why)
-                    print(f"{name} {dtype} {setting}: the Gluon dK/dV kernel does not serve it: {text}", flush=True)
+                    print(f"{name} {dtype} {setting}: its Gluon kernel does not serve it: {text}", flush=True)
                     ok &= bool(overlap)
                     continue
-                got = _grads(q, k, v, grad_out, grad_lse, options, schedule=4, overlap=overlap)
-                again = _grads(q, k, v, grad_out, grad_lse, options, schedule=4, overlap=overlap)
-                failed = []
+                got = _grads(q, k, v, grad_out, grad_lse, options, schedule=schedule, overlap=overlap)
+                again = _grads(q, k, v, grad_out, grad_lse, options, schedule=schedule, overlap=overlap)
+                failed, notes = [], []
                 for what, g, a, w, e in zip(("dq", "dk", "dv"), got, again, want, eager):
                     floor = 2 * torch.finfo(dtype).eps * max(1.0, w.abs().max().item() if w.numel() else 1.0)
                     if not _error(g, w) <= 2 * _error(e, w) + floor:
@@ -107,14 +116,17 @@ def check() -> bool:
                     if not torch.isfinite(g).all():
                         failed.append(f"{what} not finite")
                     if not torch.equal(g, a):
-                        failed.append(f"{what}: a rerun changed bits")
-                results[overlap] = got
-                same = ""
-                if overlap and 0 in results:
-                    same = ", bits as without overlap: " + ("same" if all(
-                        torch.equal(a, b) for a, b in zip(got, results[0])) else "differ")
-                print(f"{name} {dtype} {setting}: {'ok' if not failed else 'FAILED ' + '; '.join(failed)}{same}",
-                      flush=True)
+                        if what == "dq" and schedule not in BITWISE_DQ:
+                            notes.append("dq's bits moved on a rerun")
+                        else:
+                            failed.append(f"{what}: a rerun changed bits")
+                results[setting] = got
+                if setting != "gluon" and "gluon" in results:
+                    notes.append("bits as schedule 4 without overlap: " + ", ".join(
+                        f"{what} {'same' if torch.equal(a, b) else 'differ'}"
+                        for what, a, b in zip(("dq", "dk", "dv"), got, results["gluon"])))
+                print(f"{name} {dtype} {setting}: {'ok' if not failed else 'FAILED ' + '; '.join(failed)}"
+                      f"{''.join(', ' + note for note in notes)}", flush=True)
                 ok &= not failed
     return ok
 
@@ -141,12 +153,11 @@ def timing(cells) -> None:
                 out = torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
             row[name] = flops / _bench(backward_of(out)) / 1e9
-        runs = [({}, "table")] + [({"backward_schedule": 4, "gluon_backward_overlap": overlap}, setting)
-                                  for overlap, setting in OVERLAP_SETTINGS]
-        for settings, name in runs:
+        runs = [({}, "table", "")] + [({"backward_schedule": schedule, "gluon_backward_overlap": overlap}, setting,
+                                        kernel) for schedule, overlap, setting, kernel in SETTINGS]
+        for settings, name, kernel in runs:
             with flashtile.use_backend("triton", **settings):
-                if settings and "attention_bwd_dkdv_gluon_kernel (Gluon" not in flashtile.explain(q, k, v,
-                                                                                                  causal=causal):
+                if settings and kernel not in flashtile.explain(q, k, v, causal=causal):
                     row[name] = "not served (explain() says why)"
                     continue
                 out = flashtile.flash_attn_func(q, k, v, causal=causal)
@@ -156,24 +167,29 @@ def timing(cells) -> None:
                           for key, value in row.items()}), flush=True)
 
 
-def reruns(count: int) -> bool:
-    """count forward + backward reruns of two shapes under schedule 4, each compared bitwise with the first."""
+def reruns(count: int, schedule: int = 4) -> bool:
+    """count forward + backward reruns of two shapes under backward `schedule` (4 or 5), each compared bitwise with
+    the first (schedule 5: dk and dv; the reruns whose dq moved are counted apart)."""
     warnings.simplefilter("ignore", RuntimeWarning)  # the opt-in schedule's warning
     ok = True
     for shape, options in (((4, 4096, 4096, 16, 4, 128, 128), {"causal": True}), ((8, 2048, 2048, 32, 32, 64, 64), {})):
         q, k, v = _inputs(shape, torch.bfloat16, 0)
         grad_out = torch.randn(shape[0], shape[1], shape[3], shape[6], device=DEVICE, dtype=torch.bfloat16)
-        with flashtile.use_backend("triton", backward_schedule=4):
+        with flashtile.use_backend("triton", backward_schedule=schedule):
             def run():
                 out = flashtile.flash_attn_func(q, k, v, **options)
                 return torch.autograd.grad(out, (q, k, v), grad_out)
             first = run()
-            changed = nan = 0
+            changed = dq_moved = nan = 0
             for _ in range(count):
                 grads = run()
-                changed += any(not torch.equal(a, b) for a, b in zip(grads, first))
+                bitwise = grads if schedule in BITWISE_DQ else grads[1:]
+                changed += any(not torch.equal(a, b) for a, b in zip(bitwise, first[-len(bitwise):]))
+                dq_moved += not torch.equal(grads[0], first[0])
                 nan += any(not torch.isfinite(g).all() for g in grads)
-        print(f"reruns {shape} {options}: {count}, {changed} differing, {nan} with a non-finite value", flush=True)
+        print(f"reruns schedule {schedule} {shape} {options}: {count}, {changed} differing"
+              f"{'' if schedule in BITWISE_DQ else f' in dk or dv ({dq_moved} in dq)'}, {nan} with a non-finite value",
+              flush=True)
         ok &= changed == 0 and nan == 0
     return ok
 
@@ -185,4 +201,4 @@ if __name__ == "__main__":
     if mode == "time":
         timing(_cells(sys.argv[2] if len(sys.argv) > 2 else ""))
     if mode == "reruns":
-        sys.exit(0 if reruns(int(sys.argv[2])) else 1)
+        sys.exit(0 if reruns(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 4) else 1)

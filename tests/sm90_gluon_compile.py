@@ -1,5 +1,6 @@
 """Compile for sm_90 (Hopper), on a machine without a GPU, every variant of the Gluon forward that the tile table
-can pick and the Gluon dK/dV kernel's variants (backward schedule 4), and report what came out.
+can pick, the Gluon dK/dV kernel's variants (backward schedule 4) and the fused Gluon backward's (schedule 5), and
+report what came out.
 
 Gluon kernels do not run in Triton's interpreter, so CI checks them by compiling: the launcher (launch.forward_gluon)
 runs on CPU tensors with a recorder in place of the launch, each recorded launch is bound by Triton's binder for an
@@ -8,11 +9,11 @@ installed Triton and by tests/test_gluon_compile_gpu_triton.py with the Triton t
 directory on PYTHONPATH).
 
     python tests/sm90_gluon_compile.py             # every variant
-    python tests/sm90_gluon_compile.py backward    # the dK/dV kernel's variants alone
+    python tests/sm90_gluon_compile.py backward    # the Gluon backward kernels' variants alone
 
 prints one JSON line per variant: its label, the constexprs that name it, whether the PTX has wgmma (and which
 wait depths), setmaxnreg, TMA copies, the registers and spill bytes ptxas reports (and whether it serialised the
-wgmma), the shared memory, or the error.
+wgmma), the TMA reduce instructions, the shared memory, or the error.
 """
 
 from __future__ import annotations
@@ -158,6 +159,37 @@ def backward_problems():
     return cases
 
 
+def fused_backward_problems():
+    """(label, problem) for the fused Gluon backward (backward schedule 5), one per distinct variant: both query-block
+    sizes, causal and windows, GQA / MQA with ragged ends, dv != d, fp16."""
+    labels = ("bwd bf16 d64", "bwd fp16 d64 ragged causal MQA", "bwd bf16 d128 causal", "bwd bf16 d128 window GQA",
+              "bwd bf16 d128 dv64 causal GQA", "bwd bf16 d64 dv128 window GQA")
+    return [(label.replace("bwd", "fused bwd"), problem) for label, problem, overlap in backward_problems()
+            if label in labels and not overlap]
+
+
+def _backward_tensors(p):
+    """Zero CPU tensors of a dense backward of `p`: q, k, v, dO and lse."""
+    return (torch.zeros(p.batch, p.seqlen_q, p.nheads, p.headdim, dtype=p.dtype),
+            torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim, dtype=p.dtype),
+            torch.zeros(p.batch, p.seqlen_k, p.nheads_k, p.headdim_v, dtype=p.dtype),
+            torch.zeros(p.batch, p.seqlen_q, p.nheads, p.headdim_v, dtype=p.dtype),
+            torch.zeros(p.batch, p.nheads, p.seqlen_q))
+
+
+def recorded_fused_backward_launch(problem):
+    """The fused Gluon backward's launch for `problem` (dense), recorded on CPU tensors (the dQ conversion after it,
+    a plain Triton kernel, left out)."""
+    q, k, v, grad_out, lse = _backward_tensors(problem)
+    _, _, _, _, scalars, flags = launchers._score_args(q, None, None, problem)
+    with recorded_launches() as recorded:
+        launchers._launch_fused_gluon(q, k, v, grad_out, lse, torch.zeros_like(lse), torch.zeros_like(q),
+                                      torch.zeros_like(k), torch.zeros_like(v), problem, scalars, flags)
+    fused, convert = recorded
+    assert convert.name == "attention_bwd_dq_convert_kernel", convert.name
+    return fused
+
+
 def recorded_gluon_backward_launch(problem, overlap=False):
     """The launch of the Gluon dK/dV kernel for `problem` (dense), recorded on CPU tensors."""
     p = problem
@@ -224,7 +256,8 @@ def report(label, recorded) -> dict:
                 wgmma="wgmma.mma_async" in ptx, setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned"
                                                                                r"\.u32\s+(\d+)", ptx))),
                 wait_depths=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-                tma="cp.async.bulk.tensor" in ptx, **ptxas_report(ptx))
+                tma="cp.async.bulk.tensor" in ptx,
+                tma_reduce=sorted(set(re.findall(r"cp\.reduce\.async\.bulk\.tensor[\w.:]*", ptx))), **ptxas_report(ptx))
 
 
 def main(backward_only: bool = False) -> int:
@@ -250,6 +283,10 @@ def main(backward_only: bool = False) -> int:
         print(json.dumps(row), flush=True)
     for label, problem, overlap in backward_problems():
         row = dict(report(label, recorded_gluon_backward_launch(problem, overlap)), kernel="dkdv")
+        failed |= "error" in row
+        print(json.dumps(row), flush=True)
+    for label, problem in fused_backward_problems():
+        row = dict(report(label, recorded_fused_backward_launch(problem)), kernel="fused")
         failed |= "error" in row
         print(json.dumps(row), flush=True)
     return int(failed)

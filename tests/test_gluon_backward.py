@@ -1,6 +1,7 @@
-"""The Gluon dK/dV kernel (backward schedule 4, opt-in): which calls it serves and why it turns the others away,
-what explain() says, and that a call it does not serve runs backward schedule 2 with the same result. CI compiles
-it for sm_90 (tests/test_gluon_compile.py); tests/test_gpu.py checks its gradients on an H200."""
+"""The Gluon dK/dV kernel (backward schedule 4, opt-in) and the fused Gluon backward (schedule 5, opt-in): which calls
+they serve and why they turn the others away, what explain() says, and that a call they do not serve runs backward
+schedule 2 with the same result. CI compiles them for sm_90 (tests/test_gluon_compile.py); tests/test_gpu.py checks
+their gradients on an H200."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.triton import configs
+from flashtile.triton import configs, launch
 
 from conftest import DEVICE, random_qkv
 from sm90_launches import problem_for
@@ -144,3 +145,99 @@ def test_a_call_it_turns_away_runs_backward_schedule_2_and_explain_says_why(seed
                     "then attention_bwd_dkdv_kernel, streamed tiles") in text, text
     for name, a, b in zip(("dq", "dk", "dv"), grads[4], grads[2]):
         assert torch.equal(a, b), name
+
+
+# The fused Gluon backward (backward schedule 5, opt-in): dK, dV and dQ in one kernel per key block, dQ added by TMA
+# reduce (bwd_gluon_fused.py)
+
+FUSED_OVERLAP = ("the fused Gluon backward (backward_schedule=5) has no intra-warpgroup overlap; use "
+                 "gluon_backward_overlap=0")
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(), ""),
+    (dict(window_left=100, window_right=20), ""),
+    (dict(nheads_k=1), ""),
+    (dict(headdim=96, headdim_v=40), ""),
+    (dict(dtype=torch.float32), "it takes fp16 / bf16, not torch.float32"),
+    (dict(varlen=True), "packed batches run the Triton backward (the Gluon dK/dV kernel takes dense batches)"),
+    (dict(softcap=30.0), "softcap and ALiBi run the Triton backward (their extra score tiles spill the Gluon "
+                         "kernel's registers)"),
+    (dict(dropout_p=0.1), "dropout runs the Triton backward (the Gluon dK/dV kernel has no dropout)"),
+    (dict(headdim=256, headdim_v=256), "head dims 256 / 256 pad to widths 256 / 256, not 64 or 128")])
+def test_the_fused_backward_serves_what_the_dkdv_kernel_serves(monkeypatch, change, reason):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(1024, 1024, 128, 128, torch.bfloat16, True), device=torch.device("cuda"),
+                                  **change)
+    assert configs.gluon_backward_unserved_reason(problem, fused=True) == reason
+    assert configs.gluon_backward_unserved_reason(problem, overlap=True, fused=True) == FUSED_OVERLAP
+
+
+def test_the_fused_backward_takes_16_query_rows_where_128_wide_heads_meet_a_window():
+    def tile(d, dv, window_left=-1, window_right=-1):
+        problem = dataclasses.replace(problem_for(1024, 1024, d, dv, torch.bfloat16, False), window_left=window_left,
+                                      window_right=window_right)
+        return configs.fused_gluon_backward_tile(problem)
+    assert (tile(64, 64), tile(128, 128), tile(128, 128, -1, 0), tile(128, 128, 100, 20), tile(128, 64, 100, 20),
+            tile(64, 64, 100, 20)) == ((64, 2), (32, 2), (32, 2), (16, 2), (32, 2), (64, 2))
+
+
+def test_explain_names_the_fused_backward_and_its_tile(monkeypatch):
+    _on_a_hopper(monkeypatch)
+    problem = dataclasses.replace(problem_for(4096, 4096, 128, 128, torch.bfloat16, True), device=torch.device("cuda"))
+    tiles = dataclasses.replace(configs.default_tiles(problem, HOPPER), backward_schedule=5)
+    text = tiles.describe(problem)
+    assert ("backward (attention_bwd_preprocess_kernel, then attention_bwd_fused_gluon_kernel (Gluon, "
+            "FlashAttention-3's dataflow") in text, text
+    assert ("128 keys per CTA against 32 query rows per block, 2 Q / dO stages, one CTA per key block; dQ added by TMA "
+            "reduce into a float32 accumulator, then converted") in text, text
+    assert "dQ programs" not in text
+    unserved = dataclasses.replace(tiles, gluon_backward_overlap=1).describe(problem)
+    assert (f"backward: the fused Gluon backward does not serve this call ({FUSED_OVERLAP}), so backward "
+            "(attention_bwd_dq_kernel") in unserved, unserved
+
+
+def test_the_fused_backward_is_a_backward_schedule_a_caller_can_force():
+    with flashtile.use_backend("triton", backward_schedule=5):
+        pass
+    with pytest.raises(ValueError, match=r"tile setting backward_schedule must be one of \[0, 1, 2, 3, 4, 5\], got 6"):
+        with flashtile.use_backend("triton", backward_schedule=6):
+            pass
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="on a CPU: the Gluon kernel cannot run there, so it turns the call "
+                                                 "away (on an H200 tests/test_gpu.py runs it)")
+def test_a_call_the_fused_backward_turns_away_runs_backward_schedule_2(seed):
+    q, k, v = random_qkv(2, 100, 130, 4, 2, 64, 64, torch.float16, requires_grad=True)
+    grad_out = torch.randn(2, 100, 4, 64, dtype=torch.float16)
+    grads = {}
+    for schedule in (5, 2):
+        with flashtile.use_backend("triton", backward_schedule=schedule, block_m=16, block_n=16, bwd_block_m=16,
+                                   bwd_block_n=16):
+            text = flashtile.explain(q, k, v, causal=True)
+            out = flashtile.flash_attn_func(q, k, v, causal=True)
+            grads[schedule] = torch.autograd.grad(out, (q, k, v), grad_out)
+        if schedule == 5:
+            assert ("backward: the fused Gluon backward does not serve this call (Gluon kernels do not run in Triton's "
+                    "CPU interpreter), so backward (attention_bwd_dq_kernel") in text, text
+    for name, a, b in zip(("dq", "dk", "dv"), grads[5], grads[2]):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the conversion alone, under the interpreter (on an H200 "
+                                                 "tests/test_gpu.py checks the whole schedule)")
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_the_fused_backwards_dq_conversion_transposes_and_scales_the_accumulator(dtype):
+    """attention_bwd_dq_convert_kernel: dq[b, m, h, :] = softmax_scale * accumulator[b, h, :, m], over a ragged
+    query length (113: columns 113-115 of the rounded-up accumulator never read) and a padded head dim (72)."""
+    problem = dataclasses.replace(problem_for(113, 200, 72, 72, dtype, False, batch=2, nheads=3), softmax_scale=0.3)
+    accumulator = launch._dq_accumulator(problem, torch.device("cpu"))
+    assert accumulator.shape == (2, 3, 72, 116)
+    accumulator.normal_()
+    accumulator[..., 113:] = float("nan")  # past the queries: must never reach dq
+    dq = torch.empty(2, 113, 3, 72, dtype=dtype)
+    launch._convert_dq(accumulator, dq, problem, block_d=128)
+    want = accumulator[..., :113].permute(0, 3, 1, 2) * 0.3
+    # within one rounding to dtype (the interpreter rounds bf16 its own way; fp16's subnormals have absolute steps)
+    excess = ((dq.float() - want).abs() - torch.finfo(dtype).eps * want.abs() - torch.finfo(dtype).tiny).max().item()
+    assert excess <= 0, f"dq: beyond one rounding by {excess:.2e}"

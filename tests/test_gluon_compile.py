@@ -1,10 +1,11 @@
 """The Gluon forward compiles for Hopper (sm_90), without a GPU, in every variant the tile table can pick, and the
-Gluon dK/dV kernel in its variants: with the installed Triton here, and with the Triton the H200 has (3.6.0, installed
-into a side directory on first use) in test_gluon_compile_gpu_triton.py, which runs these tests on its own compile.
-Each compile takes minutes; two files let pytest-xdist's --dist loadfile give them to two workers. Gluon does not run
-in Triton's interpreter, so this is CI's check of it: the PTX uses wgmma (with the overlap's wait depth 1, 2 in the
-dK/dV kernel), setmaxnreg hands the consumers 240 registers and the load warps 24, TMA moves the tiles, ptxas spills
-nothing and serialises no wgmma, and the shared memory fits an H200."""
+Gluon backward kernels (dK/dV, schedule 4; fused, schedule 5) in their variants: with the installed Triton here, and
+with the Triton the H200 has (3.6.0, installed into a side directory on first use) in test_gluon_compile_gpu_triton.py,
+which runs these tests on its own compile. Each compile takes minutes; two files let pytest-xdist's --dist loadfile
+give them to two workers. Gluon does not run in Triton's interpreter, so this is CI's check of it: the PTX uses wgmma
+(with the overlap's wait depth 1, 2 in the dK/dV kernel and in the fused backward), setmaxnreg hands the consumers 240
+registers and the load warps 24, TMA moves the tiles (the fused backward adds dQ by a TMA reduce), ptxas spills nothing
+and serialises no wgmma, and the shared memory fits an H200."""
 
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ def test_every_variant_compiles_with_hopper_matmuls_and_copies(compiled):
         # two score matmuls alone (dV and dK in flight)
         overlap = row["constexprs"].get("OVERLAP", False)
         depth = 2 if row.get("kernel") == "dkdv" else 1
-        assert row["wait_depths"] == ([0, depth] if overlap else [0]), f"{row['label']}: waits {row['wait_depths']}"
+        # the fused backward always waits for dQᵀ alone (dV and dK in flight)
+        expected = [0, 2] if row.get("kernel") == "fused" else [0, depth] if overlap else [0]
+        assert row["wait_depths"] == expected, f"{row['label']}: waits {row['wait_depths']}"
         # ptxas keeps the in-flight wgmma's register operands apart without serialising the matmuls
         assert not row["wgmma_serialized"], f"{row['label']}: ptxas serialised the wgmma"
 
@@ -87,7 +90,7 @@ def test_registers_move_to_the_consumers_and_nothing_spills(compiled):
     for row in _variants(compiled):
         # one consumer (two CTAs per SM): 232 registers, 24 for the loads; two consumers: 240 each, 24 for the
         # loads; three: 160 each, 32 for the loads
-        consumers = 2 if row.get("kernel") == "dkdv" else row["constexprs"]["BLOCK_M"] // 64
+        consumers = 2 if row.get("kernel") in ("dkdv", "fused") else row["constexprs"]["BLOCK_M"] // 64
         registers = {1: ("232", "24"), 2: ("240", "24"), 3: ("160", "32")}[consumers]
         assert ["inc", registers[0]] in row["setmaxnreg"] and ["dec", registers[1]] in row["setmaxnreg"], \
             f"{row['label']}: setmaxnreg {row['setmaxnreg']} ({consumers} consumers)"
@@ -141,3 +144,19 @@ def test_the_gluon_dkdv_kernel_compiles_at_both_query_block_sizes(compiled):
                           "bwd bf16 d64 overlap", "bwd fp16 d128 overlap", "bwd fp16 d64 ragged causal MQA overlap"], \
         overlapped
     assert all(row["constexprs"]["NUM_STAGES"] == (3 if row["constexprs"]["OVERLAP"] else 2) for row in rows)
+
+
+def test_the_fused_backward_adds_dq_by_a_tma_reduce_at_both_query_block_sizes(compiled):
+    """Backward schedule 5: every variant compiles (the checks above), adds its dQᵀ tiles by a bulk tensor reduce-add
+    and has no other reduce; 64 query rows per block at d = 64, 32 where a head width is 128, 16 where both are and a
+    window has a left edge. The forward and the dK/dV kernel have none."""
+    rows = [row for row in _variants(compiled) if row.get("kernel") == "fused"]
+    assert len(rows) == 6, [row["label"] for row in rows]
+    for row in rows:
+        assert row["tma_reduce"] == ["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"], \
+            f"{row['label']}: {row['tma_reduce']}"
+    assert {row["label"]: row["constexprs"]["BLOCK_M"] for row in rows} == {
+        "fused bwd bf16 d64": 64, "fused bwd fp16 d64 ragged causal MQA": 64, "fused bwd bf16 d128 causal": 32,
+        "fused bwd bf16 d128 window GQA": 16, "fused bwd bf16 d128 dv64 causal GQA": 32,
+        "fused bwd bf16 d64 dv128 window GQA": 32}
+    assert all(row["tma_reduce"] == [] for row in _variants(compiled) if row.get("kernel") != "fused")

@@ -230,6 +230,30 @@ def test_gluon_backward_follows_the_oracle_and_repeats_its_bits(case, overlap, d
         assert torch.equal(first.view(torch.int16), second.view(torch.int16)), f"{name}: a rerun changed bits"
 
 
+# The fused Gluon backward (backward schedule 5, opt-in: dK, dV and dQ in one kernel per key block, dQ added by TMA
+# reduce into a float32 accumulator) on the same edges as the dK/dV kernel: gradients through out and lse against the
+# float64 oracle; dK and dV bitwise equal on a rerun (dQ's additions arrive in the copy engine's order, so its bits
+# may move)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES.values(), ids=GLUON_BACKWARD_CASES.keys())
+def test_fused_gluon_backward_follows_the_oracle(case, dtype, seed):
+    shape, kwargs = case
+    q, k, v = random_qkv(*shape, dtype, requires_grad=True)
+    with flashtile.use_backend("triton", backward_schedule=5):
+        text = flashtile.explain(q, k, v, **kwargs)
+        assert "attention_bwd_fused_gluon_kernel (Gluon" in text, text
+        with pytest.warns(RuntimeWarning, match="backward_schedule=5"):
+            got = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+            grads, (grad_out, grad_lse), _ = assert_attention_follows_the_eager_rule(
+                got, flash_attn_reference(q, k, v, **kwargs), flash_attn_reference(q, k, v, dtype=dtype, **kwargs),
+                (q, k, v), dtype, seed)
+            out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+            lse = torch.where(lse.isfinite(), lse, torch.zeros_like(lse))
+            again = torch.autograd.grad((out.double() * grad_out).sum() + (lse.double() * grad_lse).sum(), (q, k, v))
+    for name, first, second in zip(("dk", "dv"), grads[1:], again[1:]):
+        assert torch.equal(first.view(torch.int16), second.view(torch.int16)), f"{name}: a rerun changed bits"
+
+
 # Packed batches through the Gluon forward, forced in each of its settings that serve them (the launcher's deal and
 # three consumers do not): ragged sequences beside long ones (a tile of one runs past its end into the next, whose
 # rows it must neither read into its result nor overwrite), a sequence without keys, one of a single key, GQA,

@@ -75,7 +75,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         alibi_slopes: (nheads,) or (batch, nheads) floating tensor; subtracts
             slope * |i + seqlen_k - seqlen_q - j| from each score (after softcap). Not differentiated.
         deterministic: accepted for compatibility; every flashtile backend is deterministic here (with dropout too:
-            the same forward's backward gives the same bits).
+            the same forward's backward gives the same bits), except the opt-in Triton setting backward_schedule=5,
+            whose dq is not bitwise reproducible (it warns when it runs).
         return_attn_probs: return (out, lse, S_dmask), as flash-attn, for testing: S_dmask (batch, nheads,
             seqlen_q, seqlen_k) in q's dtype holds the probabilities P = softmax(scores) before dropout's
             scaling, with the entries dropout dropped negated, so torch.signbit(S_dmask) is the drop mask (a dropped

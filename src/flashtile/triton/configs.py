@@ -158,11 +158,25 @@ def gluon_backward_tile(problem: AttentionProblem, overlap: bool = False) -> tup
     return (32 if wide else 64), (3 if overlap else 2)
 
 
-def gluon_backward_unserved_reason(problem: AttentionProblem, overlap: bool = False) -> str:
-    """Why the Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py) does not serve `problem` ('' where it does),
-    with the intra-warpgroup overlap where `overlap` (gluon_backward_overlap); the tensors' alignment is checked at
-    launch."""
+def fused_gluon_backward_tile(problem: AttentionProblem) -> tuple[int, int]:
+    """(query rows per block, Q / dO ring stages) of the fused Gluon backward (backward schedule 5,
+    bwd_gluon_fused.py): gluon_backward_tile's, except 16 rows where both head widths pad to 128 and the band has a
+    left edge (a window): at 32 there, beside the 128-wide dK, dV and dQᵀ accumulators, triton 3.6's ptxas spills
+    16 / 28 bytes per thread (triton 3.9 none). Not tuned on a GPU."""
+    rows, stages = gluon_backward_tile(problem)
+    if padded_width(problem.headdim) == padded_width(problem.headdim_v) == 128 and problem.window_left >= 0:
+        rows = 16
+    return rows, stages
+
+
+def gluon_backward_unserved_reason(problem: AttentionProblem, overlap: bool = False, fused: bool = False) -> str:
+    """Why the Gluon dK/dV kernel (backward schedule 4, bwd_gluon.py), or with `fused` the fused Gluon backward
+    (schedule 5, bwd_gluon_fused.py), does not serve `problem` ('' where it does), with the intra-warpgroup overlap
+    where `overlap` (gluon_backward_overlap); the tensors' alignment is checked at launch."""
     p = problem
+    if fused and overlap:
+        return ("the fused Gluon backward (backward_schedule=5) has no intra-warpgroup overlap; use "
+                "gluon_backward_overlap=0")
     if p.dropout_p > 0:  # a property of the call, reported before the platform's reasons
         return "dropout runs the Triton backward (the Gluon dK/dV kernel has no dropout)"
     reason = _gluon_platform_reason(p)
@@ -376,15 +390,18 @@ class TritonTiles:
         backward = triton_backward
         if self.backward_schedule in GLUON_BACKWARD_SCHEDULES:
             overlap = bool(self.gluon_backward_overlap)
-            reason = gluon_backward_unserved_reason(problem, overlap)
-            rows, stages = gluon_backward_tile(problem, overlap)
+            fused = self.backward_schedule == FUSED_GLUON_BACKWARD_SCHEDULE
+            reason = gluon_backward_unserved_reason(problem, overlap, fused)
+            rows, stages = fused_gluon_backward_tile(problem) if fused else gluon_backward_tile(problem, overlap)
             overlapped = (", the next query block's score matmuls issued before each block's dV and dK "
                           "(intra-warpgroup overlap)" if overlap else "")
-            backward = (f"backward: the Gluon dK/dV kernel does not serve this call ({reason}), so "
+            kernel = "the fused Gluon backward" if fused else "the Gluon dK/dV kernel"
+            after = ("; dQ added by TMA reduce into a float32 accumulator, then converted" if fused else dq_programs)
+            backward = (f"backward: {kernel} does not serve this call ({reason}), so "
                         f"{triton_backward}" if reason else
                         f"backward ({BACKWARD_SCHEDULES[self.backward_schedule]}): 128 keys per CTA against "
                         f"{rows} query rows per block, {stages} Q / dO stages{overlapped}, one CTA per key block"
-                        f"{dq_programs}")
+                        f"{after}")
         return f"{forward}; {backward}"
 
 
@@ -414,8 +431,15 @@ BACKWARD_SCHEDULES = {
     4: ("attention_bwd_dq_kernel (which also computes each row's delta), then attention_bwd_dkdv_gluon_kernel "
         "(Gluon, explicit warp roles: a load warpgroup streaming Q and dO by TMA, two wgmma consumer warpgroups of "
         "64 keys each)"),
+    5: ("attention_bwd_preprocess_kernel, then attention_bwd_fused_gluon_kernel (Gluon, FlashAttention-3's "
+        "dataflow: a load warpgroup streaming Q and dO by TMA, two wgmma consumer warpgroups of 64 keys each computing "
+        "dK, dV and each query block's dQ from one S and one dP, dQ added into a float32 accumulator by TMA "
+        "reduce-add), then attention_bwd_dq_convert_kernel (dQ is not bitwise reproducible)"),
 }
-GLUON_BACKWARD_SCHEDULES = (4,)  # the Gluon dK/dV kernel; where it does not serve a call, schedule 2 runs
+# the Gluon backward kernels (4: dK/dV beside bwd.py's dQ kernel; 5: dK, dV and dQ in one kernel); where the
+# schedule's kernel does not serve a call, schedule 2 runs
+GLUON_BACKWARD_SCHEDULES = (4, 5)
+FUSED_GLUON_BACKWARD_SCHEDULE = 5
 
 # the schedules of the registry (flashtile.schedules) as TritonTiles.forced_schedule encodes them; 0 is none
 SCHEDULE_CODES = {"fa1": 1, "fa2": 2, "fa3": 3, "fa4": 4, "decode": 5}

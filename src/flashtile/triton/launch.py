@@ -37,6 +37,7 @@ from .fwd_fa1 import launch_fa1
 from .fwd_tma import attention_fwd_tma_kernel
 from . import gluon_compat
 from .bwd_gluon import WARPGROUP_KEYS, attention_bwd_dkdv_gluon_kernel
+from .bwd_gluon_fused import attention_bwd_dq_convert_kernel, attention_bwd_fused_gluon_kernel
 from .fwd_gluon import WARPGROUP_ROWS, attention_fwd_gluon_kernel
 from .relaunch import FixedLaunch, launch, launch_fixed
 
@@ -177,6 +178,12 @@ WARP_SPECIALIZED_WARNING = (
     "forward_schedule=2 (warp-specialized, opt-in) is experimental: on an H200 under triton 3.6, reruns beside "
     "other GPU processes returned NaN in out and inf in lse 3 times in 382,482 (BENCHMARKS.md); "
     "use the default table for anything that matters")
+
+
+# once per process: the fused Gluon backward is opt-in and not measured
+FUSED_GLUON_BACKWARD_WARNING = (
+    "backward_schedule=5 (the fused Gluon backward, opt-in) is experimental: its dQ additions arrive in the copy "
+    "engine's order (dQ is not bitwise reproducible) and the table does not pick it before an H200 measures it")
 
 
 # once per process: the Gluon dK/dV kernel is opt-in; right on its GPU tests, but slower than the table's backward
@@ -528,11 +535,23 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
     has_dlse = grad_lse is not None
     grad_lse = grad_lse.float().contiguous() if has_dlse else lse  # never read without HAS_DLSE
     delta = torch.empty_like(lse)
-    # backward schedule 4: the two-launch schedule with the Gluon dK/dV kernel where it serves the call
+    # backward schedule 4: the two-launch schedule with the Gluon dK/dV kernel where it serves the call; schedule 5:
+    # the fused Gluon backward where it serves the call; elsewhere both run schedule 2
+    fused = tiles.backward_schedule == configs.FUSED_GLUON_BACKWARD_SCHEDULE
     gluon_dkdv = (tiles.backward_schedule in configs.GLUON_BACKWARD_SCHEDULES and k.shape[1] > 0
-                  and not gluon_backward_unserved(q, k, v, grad_out, p, bool(tiles.gluon_backward_overlap)))
+                  and not gluon_backward_unserved(q, k, v, grad_out, p, bool(tiles.gluon_backward_overlap), fused))
     if gluon_dkdv:
-        warnings.warn(GLUON_BACKWARD_WARNING, RuntimeWarning, stacklevel=2)
+        warnings.warn(FUSED_GLUON_BACKWARD_WARNING if fused else GLUON_BACKWARD_WARNING, RuntimeWarning,
+                      stacklevel=2)
+    if gluon_dkdv and fused:
+        rows, batch = out.shape[1], out.shape[0]
+        row_programs = _cdiv(rows, 64)
+        launch(
+            attention_bwd_preprocess_kernel, _grid(row_programs * batch * p.nheads), (out, grad_out, grad_lse, delta),
+            (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows, row_programs),
+            HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
+        _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, p, scalars, flags)
+        return dq, dk, dv, delta
     inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
               *_row_strides(grad_out, batch_q))
     dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
@@ -596,10 +615,11 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
     return dq, dk, dv, delta
 
 
-def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem, overlap: bool = False) -> str:
-    """Why the Gluon dK/dV kernel (with the intra-warpgroup overlap where `overlap`) cannot run this call ('' when it
-    can): configs.gluon_backward_unserved_reason, then the tensors."""
-    reason = configs.gluon_backward_unserved_reason(problem, overlap)
+def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem, overlap: bool = False,
+                            fused: bool = False) -> str:
+    """Why the Gluon dK/dV kernel (with the intra-warpgroup overlap where `overlap`), or with `fused` the fused Gluon
+    backward, cannot run this call ('' when it can): configs.gluon_backward_unserved_reason, then the tensors."""
+    reason = configs.gluon_backward_unserved_reason(problem, overlap, fused)
     if reason:
         return reason
     if not _tma_ready((q, k, v, grad_out), None):
@@ -627,6 +647,54 @@ def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: Attention
          *scalars),
         BLOCK_M=block_m, NUM_STAGES=stages, HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=overlap, CONSUMER_REGISTERS=240, num_warps=4, maxnreg=168)
+
+
+def _dq_accumulator(problem: AttentionProblem, device: torch.device) -> torch.Tensor:
+    """The fused Gluon backward's zeroed float32 dQ accumulator: dQ transposed, (batch, heads, headdim, query rows
+    rounded up to 4 so that TMA's 16-byte stride rule holds)."""
+    p = problem
+    return torch.zeros(p.batch, p.nheads, p.headdim, _cdiv(p.seqlen_q, 4) * 4, dtype=torch.float32, device=device)
+
+
+def _convert_dq(accumulator: torch.Tensor, dq: torch.Tensor, problem: AttentionProblem, block_d: int) -> None:
+    """dq (batch, seqlen_q, nheads, headdim) = softmax_scale * the accumulator transposed, in dq's dtype
+    (attention_bwd_dq_convert_kernel)."""
+    p = problem
+    row_programs = _cdiv(p.seqlen_q, 64)
+    launch(
+        attention_bwd_dq_convert_kernel, _grid(row_programs * p.batch * p.nheads), (accumulator, dq),
+        (*accumulator.stride()[:3], *_row_strides(dq, 1), p.nheads, p.seqlen_q, row_programs, p.softmax_scale),
+        HEADDIM=p.headdim, BLOCK_M=64, BLOCK_D=block_d, num_warps=4)
+
+
+def _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, problem: AttentionProblem, scalars, flags):
+    """The fused Gluon backward (bwd_gluon_fused.py) of a dense call that gluon_backward_unserved accepts with
+    `fused`: dk and dv (the flash layout, contiguous) and dq, through a zeroed float32 accumulator that the kernel
+    adds into by TMA and attention_bwd_dq_convert_kernel converts; delta comes from the preprocess kernel."""
+    p = problem
+    block_m, stages = configs.fused_gluon_backward_tile(p)
+    block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
+    accumulator = _dq_accumulator(p, q.device)
+    # one [1, 1, block_d, block_m] box is a query block's dQᵀ (rows past headdim and columns past seqlen_q clipped)
+    dq_descriptor = object.__new__(gluon_compat.TensorDescriptor)
+    dq_descriptor.__dict__.update(
+        base=accumulator, shape=[p.batch, p.nheads, p.headdim, p.seqlen_q], strides=list(accumulator.stride()),
+        block_shape=[1, 1, block_d, block_m],
+        layout=gluon_compat.gl.NVMMASharedLayout.get_default_for([1, 1, block_d, block_m], gluon_compat.gl.float32),
+        padding="zero")
+    key_programs = _cdiv(p.seqlen_k, 2 * WARPGROUP_KEYS)
+    programs = key_programs * p.batch * p.nheads_k  # one CTA per key block (of 128 keys, two consumers' 64)
+    launch(
+        attention_bwd_fused_gluon_kernel, _grid(programs),
+        (_gluon_heads_view(q, block_m, block_d), _gluon_heads_view(k, WARPGROUP_KEYS, block_d),
+         _gluon_heads_view(v, WARPGROUP_KEYS, block_dv), _gluon_heads_view(grad_out, block_m, block_dv),
+         _gluon_heads_view(dk, WARPGROUP_KEYS, block_d), _gluon_heads_view(dv, WARPGROUP_KEYS, block_dv),
+         dq_descriptor, lse, delta),
+        (lse.stride(0), lse.stride(1), p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, programs,
+         *scalars),
+        BLOCK_M=block_m, NUM_STAGES=stages, HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"],
+        SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], CONSUMER_REGISTERS=240, num_warps=4, maxnreg=168)
+    _convert_dq(accumulator, dq, p, block_d)
 
 
 def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4, min_blocks: int = 4,
