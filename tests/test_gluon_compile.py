@@ -5,7 +5,8 @@ which runs these tests on its own compile. Each compile takes minutes; two files
 give them to two workers. Gluon does not run in Triton's interpreter, so this is CI's check of it: the PTX uses wgmma
 (with the overlap's wait depth 1, 2 in the dK/dV kernel and in the fused backward), setmaxnreg hands the consumers 240
 registers and the load warps 24, TMA moves the tiles (the fused backward adds dQ by a TMA reduce), ptxas spills nothing
-and serialises no wgmma, and the shared memory fits an H200."""
+under 3.6 (under 3.9 the variants SPILLING_UNDER_3_9 lists) and serialises no wgmma, and the shared memory fits an
+H200."""
 
 from __future__ import annotations
 
