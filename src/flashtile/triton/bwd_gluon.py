@@ -213,6 +213,23 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
+    def _store_key_tile(dk, dv, k_smem, v_smem, dk_desc, dv_desc, kv_empty, b, hk, n0, sm_scale, WG: gl.constexpr):
+        """Consumer WG's end of a key tile: dK (times sm_scale) and dV staged in its K and V rows, which no wgmma reads
+        any more, stored by TMA at keys n0 + 64 WG of K/V head hk; once the stores have read them, the rows are
+        released to the producer for the next tile."""
+        BLOCK_D: gl.constexpr = k_smem.shape[4]
+        BLOCK_DV: gl.constexpr = v_smem.shape[4]
+        k_smem.index(WG).reshape([_KEYS, BLOCK_D]).store((dk * sm_scale).to(k_smem.dtype))
+        v_smem.index(WG).reshape([_KEYS, BLOCK_DV]).store(dv.to(v_smem.dtype))
+        fence_async_shared()
+        thread_barrier()
+        tma_store(dk_desc, [b, hk, n0 + WG * _KEYS, 0], k_smem.index(WG))
+        tma_store(dv_desc, [b, hk, n0 + WG * _KEYS, 0], v_smem.index(WG))
+        tma.store_wait(0)
+        thread_barrier()
+        mbarrier.arrive(kv_empty.index(WG), count=1)
+
+    @gluon.jit
     def _consumer(descs, smem, bars, sizes, score_args, stats, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, WG: gl.constexpr):
@@ -296,17 +313,7 @@ if AVAILABLE:
                         # collective operation)
                         mbarrier.arrive(qdo_empty.index(stage), count=1)
                         it += 1
-            # the K and V rows are no longer read (every wgmma above is complete): stage dK and dV there and store them
-            k_tile.store((dk * sm_scale).to(dtype))
-            v_tile.store(dv.to(dtype))
-            fence_async_shared()
-            thread_barrier()
-            tma_store(dk_desc, [b, hk, n0 + WG * _KEYS, 0], k_smem.index(WG))
-            tma_store(dv_desc, [b, hk, n0 + WG * _KEYS, 0], v_smem.index(WG))
-            # the stores have read the buffers: the producer may load the next tile's K and V there
-            tma.store_wait(0)
-            thread_barrier()
-            mbarrier.arrive(kv_empty.index(WG), count=1)
+            _store_key_tile(dk, dv, k_smem, v_smem, dk_desc, dv_desc, kv_empty, b, hk, n0, sm_scale, WG)
             tiles_done += 1
         tma.store_wait(0)
 

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .bwd_gluon import (_column_statistics, _issue_transposed_scores, _key_block, _producer, _query_block,
-                        _transposed_scores)
+                        _store_key_tile, _transposed_scores)
 from .common import query_block_bounds
 from .gluon_compat import (AVAILABLE, fence_async_shared, gl, gluon, mbarrier, thread_barrier, tma, tma_reduce_add,
                            tma_store, warpgroup_mma, warpgroup_mma_wait)
@@ -177,17 +177,7 @@ if AVAILABLE:
                     # arrives; a warpgroup's wgmma is one collective operation)
                     mbarrier.arrive(qdo_empty.index(stage), count=1)
                     it += 1
-            # the K and V rows are no longer read (every wgmma above is complete): stage dK and dV there and store them
-            k_tile.store((dk * sm_scale).to(dtype))
-            v_tile.store(dv.to(dtype))
-            fence_async_shared()
-            thread_barrier()
-            tma_store(dk_desc, [b, hk, n0 + WG * _KEYS, 0], k_smem.index(WG))
-            tma_store(dv_desc, [b, hk, n0 + WG * _KEYS, 0], v_smem.index(WG))
-            # the stores have read the buffers: the producer may load the next tile's K and V there
-            tma.store_wait(0)
-            thread_barrier()
-            mbarrier.arrive(kv_empty.index(WG), count=1)
+            _store_key_tile(dk, dv, k_smem, v_smem, dk_desc, dv_desc, kv_empty, b, hk, n0, sm_scale, WG)
             tiles_done += 1
         # the kernel's last reduces complete before it exits
         tma.store_wait(0)
