@@ -38,7 +38,7 @@ from typing import Any
 
 from torch import Tensor
 
-from . import _dispatch, kvcache
+from . import _dispatch
 from ._validate import (prepare_flash_attn, prepare_flash_attn_varlen, prepare_flash_attn_varlen_paged,
                         prepare_kvcache, prepare_sdpa)
 from .autograd import attention
@@ -311,8 +311,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                            learnable_sink=learnable_sink)
     name, tiles = _dispatch.resolve(call.problem, call.layout.resolutions)  # raises before the cache is touched
     backend = _dispatch.BACKENDS[name]
-    kvcache.apply_rotary(call)  # new copies of q and k; the caller's are untouched
-    kvcache.append_to_cache(call)
+    backend.append(call)  # rotates q and k into new tensors or the cache when rotary tables are given
     out, lse = backend.decode(call, backend.tiles_from_list(tiles), call.num_splits)
     return (out, lse) if return_softmax_lse else out
 
