@@ -49,8 +49,8 @@ def _round_to(x, DTYPE: tl.constexpr):
 def _rotate_heads(Src, stride_src_h, stride_src_d, Dst, stride_dst_h, heads, head_block, cos, sin,
                   HEADDIM: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Rotate the first 2 * ROTARY_HALF dims of heads head_block * BLOCK_H .. of one (token, heads, dim) row at Src
-    by cos, sin (BLOCK_R float32) and copy the rest, into Dst (unit-stride dims); heads from `heads` on are left alone."""
+    """Rotate the first 2 * ROTARY_HALF dims of heads head_block * BLOCK_H .. heads - 1 of one (token, heads, dim)
+    row at Src by cos, sin (BLOCK_R float32) and copy the rest, into Dst (unit-stride dims)."""
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_R)
     head_ok = (h < heads)[:, None]
