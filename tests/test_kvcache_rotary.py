@@ -301,14 +301,17 @@ def _strided(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None, table=None):
+def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None, table=None, inputs=None):
     """The validated call run by the kernel and by the torch path on copies of one cache: (kernel's call, torch's
-    call, the caller's q, k and v, their copies before the calls)."""
+    call, the caller's q, k and v, their copies before the calls). table maps each random table to the one used;
+    inputs may overwrite q, k, v, cos, sin in place."""
     from flashtile.triton.launch import rotary_and_append
 
     caches, _, (block_table, _, _, extra), (q, k, v), (cos, sin) = setup(case, dtype)
     if table is not None:
         cos, sin = table(cos), table(sin)
+    if inputs is not None:
+        inputs(q, k, v, cos, sin)
     if case.get("q_view"):
         q, k, v = _strided(q), _strided(k), _strided(v)
     given = (q.clone(), k.clone(), v.clone())
@@ -327,9 +330,13 @@ def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None,
 
 
 def _assert_same_bits(kernel_call, torch_call):
+    """The kernel's q and caches hold the torch path's bits (NaN where it has NaN, whatever the NaN's bits)."""
     for what in ("q", "k_cache", "v_cache"):
         ours, theirs = getattr(kernel_call, what), getattr(torch_call, what)
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, f"{what}: {ours.dtype} {tuple(ours.shape)}"
+        nan = theirs.isnan()
+        assert torch.equal(ours.isnan(), nan), f"{what}: NaN where the torch path has none, or the reverse"
+        ours, theirs = ours.masked_fill(nan, 0), theirs.masked_fill(nan, 0)
         if not torch.equal(ours, theirs):
             differ = (ours != theirs).nonzero()
             error = (ours.double() - theirs.double()).abs().max().item()
@@ -355,6 +362,29 @@ def test_the_rotary_kernel_takes_tables_in_q_dtype_and_strided_tables():
     kernel_call, torch_call, _, _ = _kernel_and_torch_path(
         case, torch.float16, table=lambda t: torch.cat([t, t], dim=1).to(torch.float16)[:, :t.shape[1]])
     _assert_same_bits(kernel_call, torch_call)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
+def test_the_rotary_kernel_rounds_ties_to_even_and_keeps_infinities_and_nan(dtype):
+    """Sums that fall exactly halfway between two fp16 / bf16 numbers round to the even one, as torch rounds them;
+    infinities and NaN pass through the rotation as in torch's float32 arithmetic."""
+    case = KERNEL_CASES["decode-contiguous-interleaved-full"]
+    ulp = torch.finfo(dtype).eps  # of 1.0
+
+    def inputs(q, k, v, cos, sin):
+        # pair (1 + ulp, 1) turned by cos 1, sin -ulp / 2: its first half is 1 + 1.5 ulp, halfway between 1 + ulp
+        # (odd) and 1 + 2 ulp (even); pair (1, 1) gives 1 + ulp / 2, halfway between 1 (even) and 1 + ulp
+        cos.fill_(1.0)
+        sin.fill_(-ulp / 2)
+        for x in (q, k):
+            x[..., 0::2], x[..., 1::2] = 1 + ulp, 1.0
+            x[:, :, 0, 0:2] = 1.0
+            x[:, :, -1, 2], x[:, :, -1, 5], x[:, :, -1, 6] = float("inf"), float("-inf"), float("nan")
+
+    kernel_call, torch_call, _, _ = _kernel_and_torch_path(case, dtype, inputs=inputs)
+    _assert_same_bits(kernel_call, torch_call)
+    rotated = kernel_call.q[:, :, 1, 0].double()
+    assert torch.equal(rotated, torch.full_like(rotated, 1 + 2 * ulp)), "a tie did not round to even"
 
 
 def test_the_rotary_kernel_clamps_positions_into_the_tables():
