@@ -21,12 +21,13 @@ from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 from flashtile.triton.configs import default_tiles, fa4_tiles
 from flashtile.triton.launch import default_decode_tile, page_chunk
+from flashtile.triton.rotary import rotary_append_kernel
 from flashtile._validate import AttentionProblem
 
 FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out", "dropout_scale"}
 
 
-def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
+def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages, **options):
     # constexprs left out take their defaults (the fa4 schedule's RESCALE_THRESHOLD and EXP2_POLY_EVERY, 0 elsewhere)
     constexprs = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs)
     signature = {}
@@ -38,10 +39,10 @@ def compile_variant(label, fn, constexprs, pointers, num_warps, num_stages):
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"
     kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages, **options})
     ptx = kernel.asm["ptx"]
     return {"label": label, "wgmma": "wgmma" in ptx, "mma": "mma.sync" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
-            "setmaxnreg": "setmaxnreg" in ptx, "shared": kernel.metadata.shared}
+            "setmaxnreg": "setmaxnreg" in ptx, "fma": "fma.rn.f32" in ptx, "shared": kernel.metadata.shared}
 
 
 def table_tiles(dtype: str, headdim: int, causal: bool = False, varlen: bool = False):
@@ -225,6 +226,22 @@ def main():
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
                                    dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True, HAS_SINK=True),
                                    {"Part": "*fp32", "Out": "*bf16", "Lse": "*fp32", "Sink": "*fp32"}, 4, 1))
+    # rotary embeddings with the append (flash_attn_with_kvcache with rotary tables) as launch.rotary_and_append
+    # launches it, without FMA contraction: a decode step's bf16 d = 128 GQA heads into a paged cache with float32
+    # tables, and fp16 d = 72 with a partial interleaved rotation into a contiguous cache picked by cache_batch_idx
+    for dtype, headdim, half, interleaved, paged, table in (("bf16", 128, 64, False, True, "fp32"),
+                                                            ("fp16", 72, 16, True, False, "fp16")):
+        ptr = "*" + dtype
+        results.append(compile_variant(
+            f"rotary-append {'interleaved' if interleaved else 'halves'}{' paged' if paged else ''} {dtype} "
+            f"d{headdim}", rotary_append_kernel,
+            dict(HEADDIM=headdim, HEADDIM_V=headdim, ROTARY_HALF=half, INTERLEAVED=interleaved, Q_SHIFTED=True,
+                 PAGED=paged, HAS_BATCH_IDX=not paged, BLOCK_H=32, BLOCK_R=triton.next_power_of_2(half),
+                 BLOCK_P=triton.next_power_of_2(max(1, headdim - 2 * half)),
+                 BLOCK_DV=triton.next_power_of_2(headdim)),
+            {"Q": ptr, "KNew": ptr, "VNew": ptr, "Cos": "*" + table, "Sin": "*" + table, "CacheSeqlens": "*i32",
+             "BlockTable": "*i32", "CacheBatchIdx": "*i32", "QOut": ptr, "KCache": ptr, "VCache": ptr},
+            4, 1, enable_fp_fusion=False))
     json.dump(results, sys.stdout)
 
 

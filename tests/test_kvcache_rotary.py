@@ -3,18 +3,25 @@ oracle that rotates with complex numbers (flashtile.reference.rotary_reference) 
 flash_attn_reference: q and the new k rotated at flash-attn's positions, the cache holding the rotated k and the
 unrotated v, the caller's q untouched, and a call that raises leaving the cache unchanged.
 
+The Triton backend rotates and appends in one launch (flashtile.triton.rotary.rotary_append_kernel); its results are
+compared bit for bit with the torch ops it replaces (kvcache.apply_rotary then kvcache.append_to_cache), under the
+interpreter on the CPU.
+
 Positions (flash-attn's rule): new key t of sequence b at cache_seqlens[b] + t; query row i at cache_seqlens[b] + i
 with causal or a window narrower than the cache, else every row at cache_seqlens[b]; cache_leftpad does not move
 them (they count from the start of the cache row)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import flashtile
+from flashtile import kvcache
+from flashtile._validate import prepare_kvcache
 from flashtile.reference import flash_attn_reference, rotary_reference
 
 from conftest import DEVICE, assert_close_to_oracle, assert_exact_to_oracle, skip_unsupported
@@ -261,5 +268,162 @@ def test_explain_describes_the_rotation():
     assert ("rotary: the first 8 of 16 dims of q and the new k, interleaved pairs (2j, 2j + 1), q's row i at "
             "cache_seqlens + i") in text, text
     args.update(causal=False, rotary_interleaved=False)
-    text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", **args))
-    assert "halves (j, j + rotary_dim / 2), q's row i at cache_seqlens;" in text, text
+    for backend, how in (("torch", "torch ops before the attention"),
+                         ("triton", "rotary_append_kernel: rotated and appended in one launch before the attention")):
+        with flashtile.use_backend(backend):
+            text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", **args))
+        assert f"halves (j, j + rotary_dim / 2), q's row i at cache_seqlens; {how}" in text, text
+
+
+# The rotary kernel against the torch path (kvcache.apply_rotary, then kvcache.append_to_cache), bit for bit. Each case
+# as in CASES (table_dtype None: q's; "q_view": q and the new tokens passed as strided views); both pair conventions,
+# rotary_dim < d and = d, 0, 1 and 3 new tokens, shifted and unshifted query rows, the three cache layouts.
+KERNEL_CASES = {
+    "decode-contiguous-interleaved-full": dict(cache="contiguous", kwargs={}, interleaved=True, rotary_dim=HEADDIM,
+                                               seqlen_q=1, seqlen_new=1, table_dtype=torch.float32),
+    "decode-paged-halves-full-causal": dict(cache="paged", kwargs={"causal": True}, interleaved=False,
+                                            rotary_dim=HEADDIM, seqlen_q=1, seqlen_new=1),
+    "prefill-paged-interleaved-partial-causal": dict(cache="paged", kwargs={"causal": True}, interleaved=True,
+                                                     rotary_dim=8, seqlen_q=3, seqlen_new=3, q_view=True),
+    "indexed-halves-partial-window": dict(cache="indexed", kwargs={"window_size": (6, 0)}, interleaved=False,
+                                          rotary_dim=12, seqlen_q=2, seqlen_new=3),
+    "indexed-interleaved-unshifted-rows": dict(cache="indexed", kwargs={}, interleaved=True, rotary_dim=4,
+                                               seqlen_q=3, seqlen_new=1, q_view=True, table_dtype=torch.float32),
+    "contiguous-halves-no-new-tokens": dict(cache="contiguous", kwargs={"causal": True}, interleaved=False,
+                                            rotary_dim=HEADDIM, seqlen_q=3, seqlen_new=0),
+    "paged-halves-table-ends-at-the-last-position": dict(cache="paged", kwargs={"causal": True}, interleaved=False,
+                                                         rotary_dim=8, seqlen_q=3, seqlen_new=2, rows=44),
+}
+
+
+def _strided(t):
+    """t's values as a view with permuted strides (heads outermost) and a last-dim stride of 1."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None, table=None, inputs=None):
+    """The validated call run by the kernel and by the torch path on copies of one cache: (kernel's call, torch's
+    call, the caller's q, k and v, their copies before the calls). table maps each random table to the one used;
+    inputs may overwrite q, k, v, cos, sin in place."""
+    from flashtile.triton.launch import rotary_and_append
+
+    caches, _, (block_table, _, _, extra), (q, k, v), (cos, sin) = setup(case, dtype)
+    if table is not None:
+        cos, sin = table(cos), table(sin)
+    if inputs is not None:
+        inputs(q, k, v, cos, sin)
+    if case.get("q_view"):
+        q, k, v = _strided(q), _strided(k), _strided(v)
+    given = (q.clone(), k.clone(), v.clone())
+    options = dict(dict(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                        num_splits=0, return_softmax_lse=False), **case["kwargs"])
+    call = prepare_kvcache(q, *caches, k, v, torch.tensor(cache_seqlens, dtype=torch.int32, device=DEVICE),
+                           block_table, check_values=check_values, cache_batch_idx=extra.get("cache_batch_idx"),
+                           cache_leftpad=extra.get("cache_leftpad"), rotary_cos=cos, rotary_sin=sin,
+                           rotary_interleaved=case["interleaved"], **options)
+    kernel_call, torch_call = (dataclasses.replace(call, k_cache=call.k_cache.clone(), v_cache=call.v_cache.clone())
+                               for _ in range(2))
+    rotary_and_append(kernel_call)
+    kvcache.apply_rotary(torch_call)
+    kvcache.append_to_cache(torch_call)
+    return kernel_call, torch_call, (q, k, v), given
+
+
+def _assert_same_bits(kernel_call, torch_call):
+    """The kernel's q and caches hold the torch path's bits (NaN where it has NaN, whatever the NaN's bits)."""
+    for what in ("q", "k_cache", "v_cache"):
+        ours, theirs = getattr(kernel_call, what), getattr(torch_call, what)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, f"{what}: {ours.dtype} {tuple(ours.shape)}"
+        nan = theirs.isnan()
+        assert torch.equal(ours.isnan(), nan), f"{what}: NaN where the torch path has none, or the reverse"
+        ours, theirs = ours.masked_fill(nan, 0), theirs.masked_fill(nan, 0)
+        if not torch.equal(ours, theirs):
+            differ = (ours != theirs).nonzero()
+            error = (ours.double() - theirs.double())[ours != theirs].abs().max().item()
+            raise AssertionError(f"{what}: the kernel differs from the torch path at {len(differ)} entries, first "
+                                 f"{differ[0].tolist()}, max error {error:.3e}")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=("fp32", "fp16", "bf16"))
+@pytest.mark.parametrize("case", KERNEL_CASES.values(), ids=KERNEL_CASES.keys())
+def test_the_rotary_kernel_gives_the_bits_of_the_torch_path(case, dtype):
+    """q rotated into a new contiguous tensor, the rotated keys and the values appended, as the torch ops give them;
+    the caller's q, k and v untouched."""
+    kernel_call, torch_call, (q, k, v), given = _kernel_and_torch_path(case, dtype)
+    _assert_same_bits(kernel_call, torch_call)
+    assert kernel_call.q.is_contiguous() and kernel_call.q.data_ptr() != q.data_ptr()
+    for name, now, before in zip("qkv", (q, k, v), given):
+        assert torch.equal(now, before), f"the caller's {name} was modified"
+
+
+def test_the_rotary_kernel_takes_tables_in_q_dtype_and_strided_tables():
+    """fp16 tables (q's dtype) and tables that are column slices of wider ones."""
+    case = KERNEL_CASES["prefill-paged-interleaved-partial-causal"]
+    kernel_call, torch_call, _, _ = _kernel_and_torch_path(
+        case, torch.float16, table=lambda t: torch.cat([t, t], dim=1).to(torch.float16)[:, :t.shape[1]])
+    _assert_same_bits(kernel_call, torch_call)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
+def test_the_rotary_kernel_rounds_ties_to_even_and_keeps_infinities_and_nan(dtype):
+    """Sums that fall exactly halfway between two fp16 / bf16 numbers round to the even one, as torch rounds them;
+    infinities and NaN pass through the rotation as in torch's float32 arithmetic."""
+    case = KERNEL_CASES["decode-contiguous-interleaved-full"]
+    ulp = torch.finfo(dtype).eps  # of 1.0
+
+    def inputs(q, k, v, cos, sin):
+        # pair (1 + ulp, 1) turned by cos 1, sin -ulp / 2: its first half is 1 + 1.5 ulp, halfway between 1 + ulp
+        # (odd) and 1 + 2 ulp (even); pair (1, 1) gives 1 + ulp / 2, halfway between 1 (even) and 1 + ulp
+        cos.fill_(1.0)
+        sin.fill_(-ulp / 2)
+        for x in (q, k):
+            x[..., 0::2], x[..., 1::2] = 1 + ulp, 1.0
+            x[:, :, 0, 0:2] = 1.0
+            x[:, :, -1, 2], x[:, :, -1, 5], x[:, :, -1, 6] = float("inf"), float("-inf"), float("nan")
+
+    kernel_call, torch_call, _, _ = _kernel_and_torch_path(case, dtype, inputs=inputs)
+    _assert_same_bits(kernel_call, torch_call)
+    rotated = kernel_call.q[:, :, 1, 0].double()
+    assert torch.equal(rotated, torch.full_like(rotated, 1 + 2 * ulp)), "a tie did not round to even"
+
+
+def test_the_rotary_kernel_clamps_positions_into_the_tables():
+    """Unchecked positions past a table's end (check_values=False) read its last row, as in the torch path."""
+    case = dict(KERNEL_CASES["decode-paged-halves-full-causal"], rows=20, seqlen_q=2, seqlen_new=3)
+    kernel_call, torch_call, _, _ = _kernel_and_torch_path(case, torch.float32, check_values=False)
+    _assert_same_bits(kernel_call, torch_call)
+
+
+def test_the_rotary_kernel_drops_appends_outside_the_cache():
+    """Unchecked cache_seqlens reaching past the capacity and cache rows outside the cache (check_values=False):
+    those tokens are not written (the torch path stops at its index check there); the rest is."""
+    from flashtile.triton.launch import rotary_and_append
+
+    case = dict(KERNEL_CASES["indexed-halves-partial-window"], seqlen_new=3)
+    caches, before, _, (q, k, v), (cos, sin) = setup(case, torch.float32)
+    rows = torch.tensor([4, 7, 2], dtype=torch.int32, device=DEVICE)  # row 7 of 5: outside
+    lengths = [62, 0, 5]  # sequence 0's tokens at 62, 63 (inside) and 64 (past the capacity)
+    call = prepare_kvcache(q, *caches, k, v, torch.tensor(lengths, dtype=torch.int32, device=DEVICE), None,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           num_splits=0, return_softmax_lse=False, check_values=False, cache_batch_idx=rows,
+                           rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+    rotary_and_append(call)
+    written = {(4, 62), (4, 63), (2, 5), (2, 6), (2, 7)}
+    for cache, old in zip(caches, before):
+        changed = {tuple(p) for p in (cache != old).flatten(2).any(-1).nonzero().tolist()}
+        assert changed == written, f"changed cache entries {sorted(changed)}, expected {sorted(written)}"
+    assert torch.equal(caches[1][4, 62:64], v[0, :2]) and torch.equal(caches[1][2, 5:8], v[2])
+
+
+def test_the_triton_backend_rotates_in_the_kernel(monkeypatch):
+    """flash_attn_with_kvcache with rotary tables on the Triton backend launches the kernel, not the torch ops."""
+    from flashtile.triton import launch
+
+    launched = []
+    monkeypatch.setattr(launch, "rotary_and_append", lambda call, run=launch.rotary_and_append: (launched.append(1),
+                                                                                                  run(call)))
+    monkeypatch.setattr(kvcache, "apply_rotary", lambda call: pytest.fail("the torch rotation ran"))
+    args = _rotary_call(causal=lambda a: True)
+    with flashtile.use_backend("triton"):
+        flashtile.flash_attn_with_kvcache(**args)
+    assert launched == [1]

@@ -350,14 +350,17 @@ def test_every_launch_site_relaunches_with_one_argument_per_kernel_parameter(mon
         with flashtile.use_backend("triton", forward_schedule=1, backward_schedule=3):  # TMA loads, one launch
             flashtile.flash_attn_func(q, k, v).sum().backward()
         k_cache, v_cache = torch.randn(2, 256, 2, 24), torch.randn(2, 256, 2, 40)
+        angles = torch.rand(256, 6)
         with flashtile.use_backend("triton"):
             flashtile.flash_attn_with_kvcache(q[:, :1].detach(), k_cache, v_cache, cache_seqlens=200, num_splits=3)
+            flashtile.flash_attn_with_kvcache(q[:, :1].detach(), k_cache, v_cache, k[:, :2].detach(),
+                                              torch.randn(2, 2, 2, 40), angles.cos(), angles.sin(), cache_seqlens=200)
 
     step()
     kernels = {compiled.kernel.fn.__name__ for compiled, *_ in relaunch._compiled.values()}
     assert kernels == {"attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_preprocess_kernel",
                        "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel", "attention_bwd_kernel",
-                       "attention_decode_kernel", "attention_decode_combine_kernel"}, kernels
+                       "attention_decode_kernel", "attention_decode_combine_kernel", "rotary_append_kernel"}, kernels
     step()  # every key is known now: each launch goes to a recording kernel
     for compiled, *_ in relaunch._compiled.values():
         assert compiled.launches, f"{compiled.kernel.fn.__name__} was not relaunched"
@@ -389,6 +392,11 @@ def _every_kernel_once():
     query = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     results += list(flashtile.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=3000,
                                                        return_softmax_lse=True))
+    # rotary tables: the rotary kernel rotates and appends, into the cache the results hold
+    new = torch.randn(2, 1, 2, 128, device=DEVICE, dtype=torch.bfloat16)
+    angles = torch.rand(4096, 64, device=DEVICE)
+    results += [flashtile.flash_attn_with_kvcache(query, k_cache, v_cache, new, new, angles.cos(), angles.sin(),
+                                                  cache_seqlens=3000, causal=True), k_cache[:, 3000], v_cache[:, 3000]]
     return results
 
 

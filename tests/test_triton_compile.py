@@ -27,7 +27,7 @@ def _ieee_fp32(label: str) -> bool:
 
 
 def test_every_variant_uses_hopper_matmuls(compiled):
-    matmul_kernels = [label for label in compiled if not label.startswith(("bwd-preprocess", "decode"))]
+    matmul_kernels = [label for label in compiled if not label.startswith(("bwd-preprocess", "decode", "rotary"))]
     assert len(matmul_kernels) == 28  # three of them with dropout, one paged
     missing = [label for label in matmul_kernels if not compiled[label]["wgmma"] and not _ieee_fp32(label)]
     assert not missing, f"no wgmma in {missing}"
@@ -58,3 +58,12 @@ def test_decode_kernels_use_tensor_cores_on_small_tiles(compiled):
     for label in decode:
         assert compiled[label]["mma"] != _ieee_fp32(label), f"{label}: mma.sync {compiled[label]['mma']}"
     assert "decode-combine bf16 d128" in compiled
+
+
+def test_the_rotary_kernel_rounds_like_torch(compiled):
+    """rotary_append_kernel compiles without FMA contraction: each product and sum rounded as torch's eager ops
+    round them, for the same bits."""
+    rotary = [label for label in compiled if label.startswith("rotary-append")]
+    assert len(rotary) == 2
+    fused = [label for label in rotary if compiled[label]["fma"]]
+    assert not fused, f"fused multiply-adds in {fused}"

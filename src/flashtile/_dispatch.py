@@ -117,6 +117,14 @@ class TorchBackend:
         return (f"flashtile.kvcache.attention_over_cache: one dense tiled pass per sequence and split "
                 f"({splits} split(s); num_splits=0 means 1 here), {tiles.describe(call.problem)}")
 
+    def append(self, call) -> None:
+        """The KV-cache call's new tokens into its cache, rotated first when it has rotary tables: torch ops
+        (kvcache.apply_rotary, then kvcache.append_to_cache) on any device."""
+        from . import kvcache
+
+        kvcache.apply_rotary(call)  # new copies of q and k; the caller's are untouched
+        kvcache.append_to_cache(call)
+
     def decode(self, call, tiles, num_splits):
         from . import kvcache
 
@@ -166,7 +174,8 @@ class TritonBackend:
               "(sm_90); backward "
               "attention_bwd_preprocess_kernel then attention_bwd_kernel (one launch), or attention_bwd_dq_kernel "
               "(which also computes delta) then attention_bwd_dkdv_kernel (two launches); KV cache "
-              "attention_decode_kernel (+ attention_decode_combine_kernel when split)")
+              "attention_decode_kernel (+ attention_decode_combine_kernel when split), after rotary_append_kernel when "
+              "it has rotary tables")
     tile_keys = triton_configs.TILE_KEYS
 
     def unavailable_reason(self, problem: AttentionProblem) -> str | None:
@@ -329,6 +338,18 @@ class TritonBackend:
 
     def describe_decode(self, call, tiles) -> str:
         return _triton_launch().decode_geometry(call.problem, call.page_size, call.num_splits).describe()
+
+    def append(self, call) -> None:
+        """The KV-cache call's new tokens into its cache. With rotary tables, one launch of rotary_append_kernel
+        rotates q (call.q becomes the rotated copy) and the new keys and appends the keys and values; without them,
+        nothing is rotated and kvcache.append_to_cache writes the new tokens with torch indexing."""
+        if call.rotary_cos is None:
+            from . import kvcache
+
+            kvcache.append_to_cache(call)
+            return
+        with on_device(call.q.device):
+            _triton_launch().rotary_and_append(call)
 
     def decode(self, call, tiles, num_splits):
         with on_device(call.q.device):

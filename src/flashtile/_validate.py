@@ -649,11 +649,12 @@ class KVCacheCall:
     (contiguous caches; None = row b). cache_leftpad (batch,) int32 or None: where each sequence's cached
     tokens start (None = 0). After the append, sequence b attends to the keys at positions cache_leftpad[b]
     .. cache_seqlens[b] + seqlen_new - 1 of its row. rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2) or
-    None: the rotary tables, applied to q and k_new by kvcache.apply_rotary (which replaces q and k_new with their
-    rotated copies) before the append. q and the index tensors are contiguous where the kernels
-    need them to be (copies of strided arguments). layout holds what validation concluded from everything but
-    tensor values; one layout object serves every call with the same signature, so backends may key per-layout
-    launch plans on it.
+    None: the rotary tables, applied to q and k_new before the append by the backend's append (the torch backend's
+    kvcache.apply_rotary replaces q and k_new with their rotated copies; the Triton backend's kernel replaces q and
+    writes the rotated keys straight into the cache, leaving k_new as given). q and the index tensors are
+    contiguous where the kernels need them to be (copies of strided arguments). layout holds what validation
+    concluded from everything but tensor values; one layout object serves every call with the same signature, so
+    backends may key per-layout launch plans on it.
     """
 
     q: torch.Tensor

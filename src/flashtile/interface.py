@@ -38,7 +38,7 @@ from typing import Any
 
 from torch import Tensor
 
-from . import _dispatch, kvcache
+from . import _dispatch
 from ._validate import (prepare_flash_attn, prepare_flash_attn_varlen, prepare_flash_attn_varlen_paged,
                         prepare_kvcache, prepare_sdpa)
 from .autograd import attention
@@ -249,8 +249,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             counted from the start of the cache row (cache_leftpad does not move them). The tables must reach
             every position used: seqlen_ro >= cache_seqlens[b] + max(seqlen_new, seqlen_q if the rows are
             shifted else 1) (flash-attn asks for seqlen_ro >= the capacity, which is always enough). The rotation
-            runs as torch ops before the attention kernel, in float32 (float64 for float64 q) rounded once to q's
-            dtype, on new tensors: the caller's q and k are not modified.
+            runs before the attention kernel, in float32 (float64 for float64 q) rounded once to q's dtype, into new
+            tensors and the cache: the caller's q and k are not modified. On the Triton backend one kernel rotates q
+            and the new k and appends the new tokens; the torch backend uses torch ops (the same bits).
         cache_seqlens: int or int32 (batch,): where each sequence's cached tokens end (without
             cache_leftpad: how many there are); None means every cache is full (capacity tokens) and then
             k, v must be None. An int (or None) becomes a device tensor at every call; a decode loop that
@@ -301,7 +302,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
         step; while a CUDA graph is captured or torch.compile traces they cannot run at all. When they
         are not checked and are broken, the result is undefined but memory stays safe: the kernel reads
         at most `capacity` keys and only blocks and rows of the cache, rotary positions past the tables read
-        their last row, and an append outside the cache stops at torch's device-side index check.
+        their last row, and an append outside the cache stops at torch's device-side index check (with rotary
+        tables on the Triton backend, the kernel drops those tokens instead of writing them).
         BackendUnavailableError when the requested backend cannot serve the call.
     """
     call = prepare_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale=softmax_scale,
@@ -312,8 +314,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                            learnable_sink=learnable_sink)
     name, tiles = _dispatch.resolve(call.problem, call.layout.resolutions)  # raises before the cache is touched
     backend = _dispatch.BACKENDS[name]
-    kvcache.apply_rotary(call)  # new copies of q and k; the caller's are untouched
-    kvcache.append_to_cache(call)
+    backend.append(call)  # rotates q and k into new tensors or the cache when rotary tables are given
     out, lse = backend.decode(call, backend.tiles_from_list(tiles), call.num_splits)
     return (out, lse) if return_softmax_lse else out
 
@@ -406,9 +407,11 @@ def explain(q: Tensor, k: Tensor, v: Tensor, /, *, api: str = "flash_attn_func",
         if call.rotary_cos is not None:
             lay = call.layout
             pairs = "interleaved pairs (2j, 2j + 1)" if lay.rotary_interleaved else "halves (j, j + rotary_dim / 2)"
+            how = ("rotary_append_kernel: rotated and appended in one launch before the attention" if
+                   chosen.backend.name == "triton" else "torch ops before the attention")
             lines.append(f"rotary: the first {lay.rotary_dim} of {p.headdim} dims of q and the new k, {pairs}, q's row "
-                         f"i at {'cache_seqlens + i' if lay.rotary_shifted else 'cache_seqlens'}; torch ops before the "
-                         f"kernel (float32, rounded once)")
+                         f"i at {'cache_seqlens + i' if lay.rotary_shifted else 'cache_seqlens'}; {how} (float32, "
+                         f"rounded once)")
     else:
         lines += [
             f"problem: {_describe_batch(p)}, {shape}",
