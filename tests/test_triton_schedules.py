@@ -606,8 +606,8 @@ def test_tma_backward_keeps_pointer_loads_where_rows_are_not_16_byte_aligned(mon
 
 
 def test_backward_schedule_is_validated_and_reported():
-    with pytest.raises(ValueError, match=r"backward_schedule must be one of \[0, 1, 2, 3, 4\], got 5"):
-        with flashtile.use_backend("triton", backward_schedule=5):
+    with pytest.raises(ValueError, match=r"backward_schedule must be one of \[0, 1, 2, 3, 4, 5\], got 6"):
+        with flashtile.use_backend("triton", backward_schedule=6):
             pass
     q = torch.randn(1, 40, 2, 16, device=DEVICE)
     with flashtile.use_backend("triton", backward_schedule=1):
