@@ -629,6 +629,14 @@ def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem, overla
     return ""
 
 
+def _gluon_backward_views(q, k, v, grad_out, dk, dv, block_m: int, block_d: int, block_dv: int) -> tuple:
+    """The Gluon backward kernels' TMA views: q and grad_out in query blocks of block_m rows, k, v, dk and dv in one
+    consumer's 64 keys (WARPGROUP_KEYS), each (batch, heads, rows, width) as _gluon_heads_view builds them."""
+    return (_gluon_heads_view(q, block_m, block_d), _gluon_heads_view(k, WARPGROUP_KEYS, block_d),
+            _gluon_heads_view(v, WARPGROUP_KEYS, block_dv), _gluon_heads_view(grad_out, block_m, block_dv),
+            _gluon_heads_view(dk, WARPGROUP_KEYS, block_d), _gluon_heads_view(dv, WARPGROUP_KEYS, block_dv))
+
+
 def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: AttentionProblem, scalars, flags,
                        overlap: bool = False):
     """The Gluon dK/dV kernel (bwd_gluon.py) of a dense call that gluon_backward_unserved accepts: dk and dv (the
@@ -641,10 +649,7 @@ def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: Attention
     programs = key_programs * p.batch * p.nheads_k  # one CTA per key block (of 128 keys, two consumers' 64)
     launch(
         attention_bwd_dkdv_gluon_kernel, _grid(programs),
-        (_gluon_heads_view(q, block_m, block_d), _gluon_heads_view(k, WARPGROUP_KEYS, block_d),
-         _gluon_heads_view(v, WARPGROUP_KEYS, block_dv), _gluon_heads_view(grad_out, block_m, block_dv),
-         _gluon_heads_view(dk, WARPGROUP_KEYS, block_d), _gluon_heads_view(dv, WARPGROUP_KEYS, block_dv),
-         lse, delta),
+        (*_gluon_backward_views(q, k, v, grad_out, dk, dv, block_m, block_d, block_dv), lse, delta),
         (lse.stride(0), lse.stride(1), p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, programs,
          *scalars),
         BLOCK_M=block_m, NUM_STAGES=stages, HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"],
@@ -688,10 +693,7 @@ def _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, problem: Atte
     programs = key_programs * p.batch * p.nheads_k  # one CTA per key block (of 128 keys, two consumers' 64)
     launch(
         attention_bwd_fused_gluon_kernel, _grid(programs),
-        (_gluon_heads_view(q, block_m, block_d), _gluon_heads_view(k, WARPGROUP_KEYS, block_d),
-         _gluon_heads_view(v, WARPGROUP_KEYS, block_dv), _gluon_heads_view(grad_out, block_m, block_dv),
-         _gluon_heads_view(dk, WARPGROUP_KEYS, block_d), _gluon_heads_view(dv, WARPGROUP_KEYS, block_dv),
-         dq_descriptor, lse, delta),
+        (*_gluon_backward_views(q, k, v, grad_out, dk, dv, block_m, block_d, block_dv), dq_descriptor, lse, delta),
         (lse.stride(0), lse.stride(1), p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, programs,
          *scalars),
         BLOCK_M=block_m, NUM_STAGES=stages, HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"],
