@@ -127,23 +127,30 @@ def test_explain_names_the_gluon_dkdv_kernel_and_its_tile(monkeypatch):
         in text
 
 
+# what explain() says of a call that each Gluon backward schedule turns away (on a CPU: every call)
+TURNED_AWAY = {4: "backward: the Gluon dK/dV kernel does not serve this call (Gluon kernels do not run in Triton's "
+                  "CPU interpreter), so backward (attention_bwd_dq_kernel (which also computes each row's delta), "
+                  "then attention_bwd_dkdv_kernel, streamed tiles",
+               5: "backward: the fused Gluon backward does not serve this call (Gluon kernels do not run in Triton's "
+                  "CPU interpreter), so backward (attention_bwd_dq_kernel"}
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="on a CPU: the Gluon kernel cannot run there, so it turns the call "
                                                  "away (on an H200 tests/test_gpu.py runs it)")
-def test_a_call_it_turns_away_runs_backward_schedule_2_and_explain_says_why(seed):
+@pytest.mark.parametrize("schedule", (4, 5), ids=("dkdv-overlap", "fused"))
+def test_a_call_it_turns_away_runs_backward_schedule_2_and_explain_says_why(schedule, seed):
     q, k, v = random_qkv(1, 40, 50, 2, 1, 64, 64, torch.float16, requires_grad=True)
     grad_out = torch.randn(1, 40, 2, 64, dtype=torch.float16)
     grads = {}
-    for schedule in (4, 2):
-        with flashtile.use_backend("triton", backward_schedule=schedule, block_m=16, block_n=16, bwd_block_m=16,
-                                   bwd_block_n=16, gluon_backward_overlap=int(schedule == 4)):
+    for forced in (schedule, 2):
+        with flashtile.use_backend("triton", backward_schedule=forced, block_m=16, block_n=16, bwd_block_m=16,
+                                   bwd_block_n=16, gluon_backward_overlap=int(forced == 4)):
             text = flashtile.explain(q, k, v, causal=True)
             out = flashtile.flash_attn_func(q, k, v, causal=True)
-            grads[schedule] = torch.autograd.grad(out, (q, k, v), grad_out)
-        if schedule == 4:
-            assert ("backward: the Gluon dK/dV kernel does not serve this call (Gluon kernels do not run in Triton's "
-                    "CPU interpreter), so backward (attention_bwd_dq_kernel (which also computes each row's delta), "
-                    "then attention_bwd_dkdv_kernel, streamed tiles") in text, text
-    for name, a, b in zip(("dq", "dk", "dv"), grads[4], grads[2]):
+            grads[forced] = torch.autograd.grad(out, (q, k, v), grad_out)
+        if forced == schedule:
+            assert TURNED_AWAY[schedule] in text, text
+    for name, a, b in zip(("dq", "dk", "dv"), grads[schedule], grads[2]):
         assert torch.equal(a, b), name
 
 
@@ -203,25 +210,6 @@ def test_the_fused_backward_is_a_backward_schedule_a_caller_can_force():
     with pytest.raises(ValueError, match=r"tile setting backward_schedule must be one of \[0, 1, 2, 3, 4, 5\], got 6"):
         with flashtile.use_backend("triton", backward_schedule=6):
             pass
-
-
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="on a CPU: the Gluon kernel cannot run there, so it turns the call "
-                                                 "away (on an H200 tests/test_gpu.py runs it)")
-def test_a_call_the_fused_backward_turns_away_runs_backward_schedule_2(seed):
-    q, k, v = random_qkv(1, 40, 50, 2, 1, 64, 64, torch.float16, requires_grad=True)
-    grad_out = torch.randn(1, 40, 2, 64, dtype=torch.float16)
-    grads = {}
-    for schedule in (5, 2):
-        with flashtile.use_backend("triton", backward_schedule=schedule, block_m=16, block_n=16, bwd_block_m=16,
-                                   bwd_block_n=16):
-            text = flashtile.explain(q, k, v, causal=True)
-            out = flashtile.flash_attn_func(q, k, v, causal=True)
-            grads[schedule] = torch.autograd.grad(out, (q, k, v), grad_out)
-        if schedule == 5:
-            assert ("backward: the fused Gluon backward does not serve this call (Gluon kernels do not run in Triton's "
-                    "CPU interpreter), so backward (attention_bwd_dq_kernel") in text, text
-    for name, a, b in zip(("dq", "dk", "dv"), grads[5], grads[2]):
-        assert torch.equal(a, b), name
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the conversion alone, under the interpreter (on an H200 "

@@ -546,12 +546,7 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
         warnings.warn(FUSED_GLUON_BACKWARD_WARNING if fused else GLUON_BACKWARD_WARNING, RuntimeWarning,
                       stacklevel=2)
     if gluon_dkdv and fused:
-        rows, batch = out.shape[1], out.shape[0]
-        row_programs = _cdiv(rows, 64)
-        launch(
-            attention_bwd_preprocess_kernel, _grid(row_programs * batch * p.nheads), (out, grad_out, grad_lse, delta),
-            (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows, row_programs),
-            HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
+        _launch_preprocess(out, grad_out, grad_lse, delta, p, flags, has_dlse)
         _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, p, scalars, flags)
         return dq, dk, dv, delta
     inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
@@ -579,14 +574,8 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
     key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
     query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), dq_rows))
     if tiles.backward_one_launch and k.shape[1] > 0:
-        # a dK/dV program may run before the dQ program of its query rows: delta from a launch of its own. Rows
-        # are independent there: a packed batch is one long sequence to the preprocess kernel
-        rows, batch = out.shape[1], out.shape[0]
-        row_programs = _cdiv(rows, 64)
-        launch(
-            attention_bwd_preprocess_kernel, _grid(row_programs * batch * p.nheads), (out, grad_out, grad_lse, delta),
-            (*_row_strides(out, 1), *_row_strides(grad_out, 1), p.nheads, rows, row_programs),
-            HEADDIM_V=p.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
+        # a dK/dV program may run before the dQ program of its query rows: delta from a launch of its own
+        _launch_preprocess(out, grad_out, grad_lse, delta, p, flags, has_dlse)
         launch(
             attention_bwd_kernel, _grid((key_programs * p.nheads_k + query_programs * p.nheads) * p.batch),
             (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k, rng),
@@ -627,6 +616,18 @@ def gluon_backward_unserved(q, k, v, grad_out, problem: AttentionProblem, overla
     if not _tma_ready((q, k, v, grad_out), None):
         return "TMA needs 16-byte aligned base addresses and strides and non-empty tensors"
     return ""
+
+
+def _launch_preprocess(out, grad_out, grad_lse, delta, problem: AttentionProblem, flags, has_dlse: bool) -> None:
+    """delta = rowsum(dO * O) (- dlse with has_dlse) for every query row, in a launch of its own (the schedules whose
+    dK/dV programs may run before the dQ programs of their rows). Rows are independent there: a packed batch is one
+    long sequence to the preprocess kernel."""
+    rows, batch = out.shape[1], out.shape[0]
+    row_programs = _cdiv(rows, 64)
+    launch(
+        attention_bwd_preprocess_kernel, _grid(row_programs * batch * problem.nheads), (out, grad_out, grad_lse, delta),
+        (*_row_strides(out, 1), *_row_strides(grad_out, 1), problem.nheads, rows, row_programs),
+        HEADDIM_V=problem.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
 
 
 def _gluon_backward_views(q, k, v, grad_out, dk, dv, block_m: int, block_d: int, block_dv: int) -> tuple:
