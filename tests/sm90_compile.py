@@ -21,7 +21,7 @@ from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 from flashtile.triton.configs import default_tiles, fa4_tiles
 from flashtile.triton.launch import default_decode_tile, page_chunk
-from flashtile.triton.rotary import rotary_append_kernel
+from flashtile.triton.append import kvcache_append_kernel
 from flashtile._validate import AttentionProblem
 
 FLOATS = {"sm_scale", "score_scale", "softcap_scale", "softcap_out", "dropout_scale"}
@@ -226,17 +226,19 @@ def main():
     results.append(compile_variant("decode-combine bf16 d128", attention_decode_combine_kernel,
                                    dict(HEADDIM_V=128, BLOCK_DV=128, BLOCK_S=16, STORE_LSE=True, HAS_SINK=True),
                                    {"Part": "*fp32", "Out": "*bf16", "Lse": "*fp32", "Sink": "*fp32"}, 4, 1))
-    # rotary embeddings with the append (flash_attn_with_kvcache with rotary tables) as launch.rotary_and_append
-    # launches it, without FMA contraction: a decode step's bf16 d = 128 GQA heads into a paged cache with float32
-    # tables, and fp16 d = 72 with a partial interleaved rotation into a contiguous cache picked by cache_batch_idx
+    # the KV-cache append as launch.append_to_cache launches it, without FMA contraction: with rotary tables, a
+    # decode step's bf16 d = 128 GQA heads into a paged cache with float32 tables, and fp16 d = 72 with a partial
+    # interleaved rotation into a contiguous cache picked by cache_batch_idx; without tables (half 0), bf16 d = 128
     for dtype, headdim, half, interleaved, paged, table in (("bf16", 128, 64, False, True, "fp32"),
-                                                            ("fp16", 72, 16, True, False, "fp16")):
+                                                            ("fp16", 72, 16, True, False, "fp16"),
+                                                            ("bf16", 128, 0, False, False, "i32")):
         ptr = "*" + dtype
         results.append(compile_variant(
-            f"rotary-append {'interleaved' if interleaved else 'halves'}{' paged' if paged else ''} {dtype} "
-            f"d{headdim}", rotary_append_kernel,
-            dict(HEADDIM=headdim, HEADDIM_V=headdim, ROTARY_HALF=half, INTERLEAVED=interleaved, Q_SHIFTED=True,
-                 PAGED=paged, HAS_BATCH_IDX=not paged, BLOCK_H=32, BLOCK_R=triton.next_power_of_2(half),
+            (f"rotary-append {'interleaved' if interleaved else 'halves'}{' paged' if paged else ''} {dtype} "
+             f"d{headdim}") if half else f"append {dtype} d{headdim}", kvcache_append_kernel,
+            dict(HEADDIM=headdim, HEADDIM_V=headdim, ROTARY_HALF=half, INTERLEAVED=interleaved, ROTARY=half > 0,
+                 Q_SHIFTED=half > 0, PAGED=paged, HAS_BATCH_IDX=not paged, BLOCK_H=32,
+                 BLOCK_R=triton.next_power_of_2(max(1, half)),
                  BLOCK_P=triton.next_power_of_2(max(1, headdim - 2 * half)),
                  BLOCK_DV=triton.next_power_of_2(headdim)),
             {"Q": ptr, "KNew": ptr, "VNew": ptr, "Cos": "*" + table, "Sin": "*" + table, "CacheSeqlens": "*i32",

@@ -3,7 +3,7 @@ oracle that rotates with complex numbers (flashtile.reference.rotary_reference) 
 flash_attn_reference: q and the new k rotated at flash-attn's positions, the cache holding the rotated k and the
 unrotated v, the caller's q untouched, and a call that raises leaving the cache unchanged.
 
-The Triton backend rotates and appends in one launch (flashtile.triton.rotary.rotary_append_kernel); its results are
+The Triton backend rotates and appends in one launch (flashtile.triton.append.kvcache_append_kernel); its results are
 compared bit for bit with the torch ops it replaces (kvcache.apply_rotary then kvcache.append_to_cache), under the
 interpreter on the CPU.
 
@@ -269,7 +269,7 @@ def test_explain_describes_the_rotation():
             "cache_seqlens + i") in text, text
     args.update(causal=False, rotary_interleaved=False)
     for backend, how in (("torch", "torch ops before the attention"),
-                         ("triton", "rotary_append_kernel: rotated and appended in one launch before the attention")):
+                         ("triton", "kvcache_append_kernel: rotated and appended in one launch before the attention")):
         with flashtile.use_backend(backend):
             text = str(flashtile.explain(q, k_cache, v_cache, api="flash_attn_with_kvcache", **args))
         assert f"halves (j, j + rotary_dim / 2), q's row i at cache_seqlens; {how}" in text, text
@@ -301,11 +301,12 @@ def _strided(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None, table=None, inputs=None):
+def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None, table=None, inputs=None,
+                           rotary=True):
     """The validated call run by the kernel and by the torch path on copies of one cache: (kernel's call, torch's
     call, the caller's q, k and v, their copies before the calls). table maps each random table to the one used;
-    inputs may overwrite q, k, v, cos, sin in place."""
-    from flashtile.triton.launch import rotary_and_append
+    inputs may overwrite q, k, v, cos, sin in place; rotary=False: the call without tables (the append alone)."""
+    from flashtile.triton.launch import append_to_cache
 
     caches, _, (block_table, _, _, extra), (q, k, v), (cos, sin) = setup(case, dtype)
     if table is not None:
@@ -315,6 +316,8 @@ def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None,
     if case.get("q_view"):
         q, k, v = _strided(q), _strided(k), _strided(v)
     given = (q.clone(), k.clone(), v.clone())
+    if not rotary:
+        cos = sin = None
     options = dict(dict(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                         num_splits=0, return_softmax_lse=False), **case["kwargs"])
     call = prepare_kvcache(q, *caches, k, v, torch.tensor(cache_seqlens, dtype=torch.int32, device=DEVICE),
@@ -323,7 +326,7 @@ def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None,
                            rotary_interleaved=case["interleaved"], **options)
     kernel_call, torch_call = (dataclasses.replace(call, k_cache=call.k_cache.clone(), v_cache=call.v_cache.clone())
                                for _ in range(2))
-    rotary_and_append(kernel_call)
+    append_to_cache(kernel_call)
     kvcache.apply_rotary(torch_call)
     kvcache.append_to_cache(torch_call)
     return kernel_call, torch_call, (q, k, v), given
@@ -354,6 +357,37 @@ def test_the_rotary_kernel_gives_the_bits_of_the_torch_path(case, dtype):
     assert kernel_call.q.is_contiguous() and kernel_call.q.data_ptr() != q.data_ptr()
     for name, now, before in zip("qkv", (q, k, v), given):
         assert torch.equal(now, before), f"the caller's {name} was modified"
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=("fp32", "fp16", "bf16"))
+@pytest.mark.parametrize("case", [KERNEL_CASES[name] for name in ("decode-contiguous-interleaved-full",
+                                                                 "prefill-paged-interleaved-partial-causal",
+                                                                 "indexed-halves-partial-window",
+                                                                 "contiguous-halves-no-new-tokens")],
+                         ids=("decode-contiguous", "paged-strided-inputs", "indexed", "no-new-tokens"))
+def test_the_append_kernel_without_tables_gives_the_bits_of_the_torch_append(case, dtype):
+    """Without rotary tables the same launch appends the new keys and values as given, as kvcache.append_to_cache
+    writes them, and leaves q as it is (no copy)."""
+    kernel_call, torch_call, (q, k, v), given = _kernel_and_torch_path(case, dtype, rotary=False)
+    _assert_same_bits(kernel_call, torch_call)
+    assert kernel_call.q is torch_call.q, "q was replaced without rotary tables"
+    for name, now, before in zip("qkv", (q, k, v), given):
+        assert torch.equal(now, before), f"the caller's {name} was modified"
+
+
+def test_the_append_kernel_without_new_tokens_leaves_the_cache_alone():
+    """A call without k and v (k_new None) launches nothing and writes nothing."""
+    from flashtile.triton import launch
+
+    caches, before, (block_table, _, _, _), (q, _, _), _ = setup(KERNEL_CASES["decode-paged-halves-full-causal"],
+                                                                 torch.float32)
+    call = prepare_kvcache(q, *caches, None, None, torch.tensor(CACHED, dtype=torch.int32, device=DEVICE),
+                           block_table, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, num_splits=0, return_softmax_lse=False)
+    launch.append_to_cache(call)
+    assert call.q is q or torch.equal(call.q, q)
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache, old)
 
 
 def test_the_rotary_kernel_takes_tables_in_q_dtype_and_strided_tables():
@@ -397,7 +431,7 @@ def test_the_rotary_kernel_clamps_positions_into_the_tables():
 def test_the_rotary_kernel_drops_appends_outside_the_cache():
     """Unchecked cache_seqlens reaching past the capacity and cache rows outside the cache (check_values=False):
     those tokens are not written (the torch path stops at its index check there); the rest is."""
-    from flashtile.triton.launch import rotary_and_append
+    from flashtile.triton.launch import append_to_cache
 
     case = dict(KERNEL_CASES["indexed-halves-partial-window"], seqlen_new=3)
     caches, before, _, (q, k, v), (cos, sin) = setup(case, torch.float32)
@@ -407,7 +441,7 @@ def test_the_rotary_kernel_drops_appends_outside_the_cache():
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            num_splits=0, return_softmax_lse=False, check_values=False, cache_batch_idx=rows,
                            rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
-    rotary_and_append(call)
+    append_to_cache(call)
     written = {(4, 62), (4, 63), (2, 5), (2, 6), (2, 7)}
     for cache, old in zip(caches, before):
         changed = {tuple(p) for p in (cache != old).flatten(2).any(-1).nonzero().tolist()}
@@ -420,8 +454,8 @@ def test_the_triton_backend_rotates_in_the_kernel(monkeypatch):
     from flashtile.triton import launch
 
     launched = []
-    monkeypatch.setattr(launch, "rotary_and_append", lambda call, run=launch.rotary_and_append: (launched.append(1),
-                                                                                                  run(call)))
+    monkeypatch.setattr(launch, "append_to_cache", lambda call, run=launch.append_to_cache: (launched.append(1),
+                                                                                              run(call)))
     monkeypatch.setattr(kvcache, "apply_rotary", lambda call: pytest.fail("the torch rotation ran"))
     args = _rotary_call(causal=lambda a: True)
     with flashtile.use_backend("triton"):

@@ -360,7 +360,7 @@ def test_every_launch_site_relaunches_with_one_argument_per_kernel_parameter(mon
     kernels = {compiled.kernel.fn.__name__ for compiled, *_ in relaunch._compiled.values()}
     assert kernels == {"attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_preprocess_kernel",
                        "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel", "attention_bwd_kernel",
-                       "attention_decode_kernel", "attention_decode_combine_kernel", "rotary_append_kernel"}, kernels
+                       "attention_decode_kernel", "attention_decode_combine_kernel", "kvcache_append_kernel"}, kernels
     step()  # every key is known now: each launch goes to a recording kernel
     for compiled, *_ in relaunch._compiled.values():
         assert compiled.launches, f"{compiled.kernel.fn.__name__} was not relaunched"

@@ -174,8 +174,8 @@ class TritonBackend:
               "(sm_90); backward "
               "attention_bwd_preprocess_kernel then attention_bwd_kernel (one launch), or attention_bwd_dq_kernel "
               "(which also computes delta) then attention_bwd_dkdv_kernel (two launches); KV cache "
-              "attention_decode_kernel (+ attention_decode_combine_kernel when split), after rotary_append_kernel when "
-              "it has rotary tables")
+              "kvcache_append_kernel (the new tokens, rotated with rotary tables) then attention_decode_kernel "
+              "(+ attention_decode_combine_kernel when split)")
     tile_keys = triton_configs.TILE_KEYS
 
     def unavailable_reason(self, problem: AttentionProblem) -> str | None:
@@ -340,16 +340,10 @@ class TritonBackend:
         return _triton_launch().decode_geometry(call.problem, call.page_size, call.num_splits).describe()
 
     def append(self, call) -> None:
-        """The KV-cache call's new tokens into its cache. With rotary tables, one launch of rotary_append_kernel
-        rotates q (call.q becomes the rotated copy) and the new keys and appends the keys and values; without them,
-        nothing is rotated and kvcache.append_to_cache writes the new tokens with torch indexing."""
-        if call.rotary_cos is None:
-            from . import kvcache
-
-            kvcache.append_to_cache(call)
-            return
+        """The KV-cache call's new tokens into its cache by one launch of kvcache_append_kernel, which with rotary
+        tables first rotates q (call.q becomes the rotated copy) and the new keys."""
         with on_device(call.q.device):
-            _triton_launch().rotary_and_append(call)
+            _triton_launch().append_to_cache(call)
 
     def decode(self, call, tiles, num_splits):
         with on_device(call.q.device):

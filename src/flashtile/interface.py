@@ -407,7 +407,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, /, *, api: str = "flash_attn_func",
         if call.rotary_cos is not None:
             lay = call.layout
             pairs = "interleaved pairs (2j, 2j + 1)" if lay.rotary_interleaved else "halves (j, j + rotary_dim / 2)"
-            how = ("rotary_append_kernel: rotated and appended in one launch before the attention" if
+            how = ("kvcache_append_kernel: rotated and appended in one launch before the attention" if
                    chosen.backend.name == "triton" else "torch ops before the attention")
             lines.append(f"rotary: the first {lay.rotary_dim} of {p.headdim} dims of q and the new k, {pairs}, q's row "
                          f"i at {'cache_seqlens + i' if lay.rotary_shifted else 'cache_seqlens'}; {how} (float32, "

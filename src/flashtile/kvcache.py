@@ -21,9 +21,9 @@ end of its keys, so the left padding is invisible to them).
 Rotary embeddings (rotary_cos / rotary_sin, as in flash-attn) rotate q and the new keys before the append: the new
 key t of sequence b at position cache_seqlens[b] + t, query row i at cache_seqlens[b] + i with causal or a window,
 else at cache_seqlens[b]. The rotated keys are what the cache stores; v is never rotated. Here they are torch ops on
-the tensors' device (rotate, apply_rotary, then append_to_cache): the torch backend's path, and the definition the
-Triton backend's one-launch kernel (flashtile.triton.rotary.rotary_append_kernel, which rotates and appends) gives
-the same bits as. Without rotary tables both backends append with append_to_cache.
+the tensors' device (rotate, apply_rotary, then append_to_cache): the torch backend's path, and the definition
+whose bits the Triton backend's one-launch kernel (flashtile.triton.append.kvcache_append_kernel, which appends and,
+with tables, rotates first) gives.
 
 The append runs on the tensors' device. attention_over_cache is the torch backend's attention (any
 device; one dense tiled pass per sequence and split; it reads cache_seqlens on the host); the Triton

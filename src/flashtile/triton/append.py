@@ -1,11 +1,12 @@
-"""Rotary embeddings and the KV-cache append of flash_attn_with_kvcache in one Triton launch.
+"""The KV-cache append of flash_attn_with_kvcache, with its rotary embeddings, in one Triton launch.
 
-rotary_append_kernel rotates q and the new keys by their positions and writes the rotated new keys and the new values
-into the cache, so that a decode step with rotary tables costs one small launch before the attention kernel.
+kvcache_append_kernel writes the new keys and values into the cache; with ROTARY it first rotates q and the new keys
+by their positions (the rotated keys are what it writes), so that a decode step costs one small launch before the
+attention kernel, with rotary tables or without.
 
-Grid: axis 0 holds one program per query row (batch * seqlen_q, row b * seqlen_q + i) followed by one per new token
-(batch * seqlen_new, row b * seqlen_new + t); axis 1 the blocks of BLOCK_H heads. A program reads its position's row
-of the cos and sin tables once and rotates every head of its block:
+Grid: axis 0 holds, with ROTARY, one program per query row (batch * seqlen_q, row b * seqlen_q + i), then one per new
+token (batch * seqlen_new, row b * seqlen_new + t); axis 1 the blocks of BLOCK_H heads. With ROTARY a program reads
+its position's row of the cos and sin tables once and rotates every head of its block:
 
     query row i of sequence b:   cache_seqlens[b] + i with Q_SHIFTED (causal or a window), else cache_seqlens[b]
     new token t of sequence b:   cache_seqlens[b] + t
@@ -17,14 +18,15 @@ rounded as torch's eager ops round them (the launcher compiles without FMA contr
 output's dtype; the dims from 2 * ROTARY_HALF to HEADDIM are copied. The result is bit-identical to
 flashtile.kvcache.rotate for fp16, bf16 and fp32 inputs with float32 or same-dtype tables.
 
-A query program writes the rotated row to QOut (a new tensor). A new-token program writes its rotated keys to
-KCache and its values, unrotated, to VCache at the token's position: row CacheBatchIdx[b] (HAS_BATCH_IDX; else b) of
-a contiguous cache, or slot position % page_size of block BlockTable[b, position // page_size] of a paged one (PAGED).
-A position outside 0 .. capacity - 1, a row or block outside the cache drops the token's writes: unchecked values
+A query program writes the rotated row to QOut (a new tensor). A new-token program writes its keys (rotated with
+ROTARY, else as given) to KCache and its values, unrotated, to VCache at the token's position: row CacheBatchIdx[b]
+(HAS_BATCH_IDX; else b) of a contiguous cache, or slot position % page_size of block BlockTable[b, position //
+page_size] of a paged one (PAGED). A position outside 0 .. capacity - 1, a row or block outside the cache drops the token's writes: unchecked values
 can never make the kernel write outside the caches.
 
-Limitations: float32 arithmetic only (no float64: the Triton backend does not take it); nothing is returned for the
-rotated new keys other than the cache entries.
+Without ROTARY the kernel copies bits (any dtype the cache holds) and never reads Q, Cos, Sin or QOut. Limitations:
+float32 rotation only (no float64: the Triton backend does not take it); nothing is returned for the rotated new keys
+other than the cache entries.
 """
 
 import triton
@@ -101,7 +103,7 @@ def _table_row(Cos, Sin, position, rotary_len, stride_cos_p, stride_cos_j, strid
 
 
 @triton.jit
-def rotary_append_kernel(
+def kvcache_append_kernel(
     Q, KNew, VNew, Cos, Sin, CacheSeqlens, BlockTable, CacheBatchIdx, QOut, KCache, VCache,
     stride_qb, stride_qm, stride_qh,
     stride_knb, stride_knm, stride_knh, stride_knd,
@@ -113,14 +115,14 @@ def rotary_append_kernel(
     stride_table_b,
     batch, seqlen_q, seqlen_new, nheads, nheads_k, rotary_len, capacity, page_size, cache_rows,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, ROTARY_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-    Q_SHIFTED: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    ROTARY: tl.constexpr, Q_SHIFTED: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     tl.static_assert(2 * ROTARY_HALF <= HEADDIM, "rotary_dim must not exceed the head dim")
     tl.static_assert(BLOCK_R >= ROTARY_HALF and BLOCK_DV >= HEADDIM_V, "a block narrower than its dims")
     row = tl.program_id(0)
     head_block = tl.program_id(1)
-    q_rows = batch * seqlen_q
+    q_rows = batch * seqlen_q if ROTARY else 0  # without tables q is not touched: every program is a new token
     if row < q_rows:
         b = (row // seqlen_q).to(tl.int64)
         i = row % seqlen_q
@@ -137,8 +139,6 @@ def rotary_append_kernel(
         b = (token // seqlen_new).to(tl.int64)
         t = token % seqlen_new
         position = tl.load(CacheSeqlens + b).to(tl.int64) + t
-        cos, sin = _table_row(Cos, Sin, position, rotary_len, stride_cos_p, stride_cos_j, stride_sin_p, stride_sin_j,
-                              ROTARY_HALF, BLOCK_R)
         # where the token goes: (cache row or block, slot); positions and indices outside the cache write nothing
         inside = (position >= 0) & (position < capacity)
         slot_position = tl.minimum(tl.maximum(position, 0), capacity - 1)
@@ -152,9 +152,16 @@ def rotary_append_kernel(
             slot = slot_position
         # a token that is not written has no heads to rotate or copy
         heads = tl.where(inside & (cache_row >= 0) & (cache_row < cache_rows), nheads_k, 0)
-        _rotate_heads(KNew + b * stride_knb + t * stride_knm, stride_knh, stride_knd,
-                      KCache + cache_row * stride_kb + slot * stride_kn, stride_kh, heads, head_block, cos, sin,
-                      HEADDIM, ROTARY_HALF, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P)
+        if ROTARY:
+            cos, sin = _table_row(Cos, Sin, position, rotary_len, stride_cos_p, stride_cos_j, stride_sin_p,
+                                  stride_sin_j, ROTARY_HALF, BLOCK_R)
+            _rotate_heads(KNew + b * stride_knb + t * stride_knm, stride_knh, stride_knd,
+                          KCache + cache_row * stride_kb + slot * stride_kn, stride_kh, heads, head_block, cos, sin,
+                          HEADDIM, ROTARY_HALF, INTERLEAVED, BLOCK_H, BLOCK_R, BLOCK_P)
+        else:
+            _copy_heads(KNew + b * stride_knb + t * stride_knm, stride_knh, stride_knd,
+                        KCache + cache_row * stride_kb + slot * stride_kn, stride_kh, heads, head_block, HEADDIM,
+                        BLOCK_H, BLOCK_P)
         _copy_heads(VNew + b * stride_vnb + t * stride_vnm, stride_vnh, stride_vnd,
                     VCache + cache_row * stride_vb + slot * stride_vn, stride_vh, heads, head_block, HEADDIM_V, BLOCK_H,
                     BLOCK_DV)
