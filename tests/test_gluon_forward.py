@@ -261,7 +261,7 @@ def test_a_call_it_turns_away_runs_the_triton_forward_and_explain_says_why(seed)
     ("gluon_stages", 0, "tile setting gluon_stages must be a positive int, got 0"),
     ("gluon_consumers", 4, "tile setting gluon_consumers must be 1, 2 or 3, got 4"),
     ("gluon_block_n", 96, "tile setting gluon_block_n must be 64, 128 or 256, got 96"),
-    ("forward_schedule", 4, "tile setting forward_schedule must be one of [0, 1, 2, 3], got 4")])
+    ("forward_schedule", 4, "tile setting forward_schedule must be one of [0, 1, 2, 3, 5], got 4")])
 def test_gluon_settings_are_checked(setting, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         with flashtile.use_backend("triton", **{setting: value}):

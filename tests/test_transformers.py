@@ -260,6 +260,22 @@ def test_dense_masks_and_attention_probabilities_are_refused():
         model(ids, output_attentions=True)
 
 
+def test_a_decode_step_passes_no_position_ids_to_the_packing_test(monkeypatch):
+    """A query of one token per sequence cannot be a packed batch: its position_ids are not passed on, so that the
+    flash-attention path does not read their values (a GPU synchronisation per layer in some transformers releases);
+    a prompt's are."""
+    seen = []
+    forward = modeling_flash_attention_utils._flash_attention_forward
+    monkeypatch.setattr(modeling_flash_attention_utils, "_flash_attention_forward",
+                        lambda *args, **kwargs: (seen.append("position_ids" in kwargs), forward(*args, **kwargs))[1])
+    model = make_model("llama", attn_implementation="flashtile")
+    ids = torch.randint(1, 100, (1, 6))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    layers = model.config.num_hidden_layers
+    assert seen == [True] * layers + [False] * layers, seen
+
+
 def _flashtile_has_dropout() -> bool:
     q = torch.randn(1, 4, 1, 8)
     try:

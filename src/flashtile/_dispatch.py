@@ -278,7 +278,7 @@ class TritonBackend:
         if schedule is None:
             return triton_configs.default_tiles(problem, capability)
         forced = overrides.get("forward_schedule")
-        if forced is not None and (schedule not in ("fa2", "fa4") or forced == 3):
+        if forced is not None and (schedule not in ("fa2", "fa4") or forced >= 3):
             raise ValueError(f"tile setting forward_schedule={forced} contradicts schedule {schedule!r}: "
                              "forward_schedule picks among the fa2 schedule's kernels (0, 1 or 2), which fa4 "
                              "shares")
@@ -305,7 +305,7 @@ class TritonBackend:
         if problem.paged:
             return (f"{self.name!r}, schedule {name!r}{forced} — forward attention_fwd_kernel with PAGED (keys "
                     f"through the block table); forward only")
-        return f"{self.name!r}, schedule {name!r}{forced} — {_schedules.describe_kernels(name)}"
+        return f"{self.name!r}, schedule {name!r}{forced} — {_schedules.describe_kernels(name, problem.kvcache)}"
 
     def tiles_to_list(self, tiles: triton_configs.TritonTiles) -> list[int]:
         return list(dataclasses.astuple(tiles))
@@ -322,6 +322,9 @@ class TritonBackend:
             return (f"{tiles.describe(problem)}; packed sequences: the grid covers max_seqlen rows of each "
                     f"sequence, at most {triton_configs.VARLEN_GRID_ROWS}, and each program visits only its "
                     f"sequence's blocks, looping over those past the grid")
+        if tiles.forward_schedule == triton_configs.DECODE_FORWARD_SCHEDULE:
+            return (f"{tiles.describe(problem)}; k and v as a full cache of {problem.seqlen_k} keys: "
+                    f"{_triton_launch().decode_geometry(problem, None, 0).describe()}")
         block_m, block_n = tiles.block_m, tiles.block_n
         if tiles.forward_schedule == 3 and not triton_configs.gluon_unserved_reason(problem, tiles.gluon_tile):
             # the Gluon forward's own tile

@@ -114,10 +114,11 @@ def unserved_reason(name: str, problem: AttentionProblem, tiles: triton_configs.
 
 def running_schedule(problem: AttentionProblem, tiles: triton_configs.TritonTiles) -> str:
     """The schedule the Triton backend runs for `problem` with `tiles`: the forced one, else the table's (decode for
-    KV-cache calls, fa3 where forward_schedule 3 serves the call, else fa2)."""
+    KV-cache calls and for the few-row calls it runs by the decode kernels, fa3 where forward_schedule 3 serves the
+    call, else fa2)."""
     if tiles.forced_schedule:
         return triton_configs.SCHEDULE_NAMES[tiles.forced_schedule]
-    if problem.kvcache:
+    if problem.kvcache or tiles.forward_schedule == triton_configs.DECODE_FORWARD_SCHEDULE:
         return "decode"
     if (tiles.forward_schedule == 3 and not problem.paged
             and not triton_configs.gluon_unserved_reason(problem, tiles.gluon_tile)):
@@ -125,9 +126,12 @@ def running_schedule(problem: AttentionProblem, tiles: triton_configs.TritonTile
     return "fa2"
 
 
-def describe_kernels(name: str) -> str:
-    """The forward and backward kernels of schedule `name`, for explain()."""
+def describe_kernels(name: str, kvcache: bool = True) -> str:
+    """The forward and backward kernels of schedule `name`, for explain(); kvcache=False: of a call without a KV
+    cache (the decode schedule's forward then comes with the table's backward)."""
     _, _, forward, backward = _REGISTRY[name]
+    if name == "decode" and not kvcache:
+        forward, backward = f"{forward}, the keys as a full KV cache (a call of a few query rows)", _TABLE_BACKWARD
     text = f"forward {forward}; " + (f"backward {backward}" if backward else "forward only")
     return text + (f". {FA4_BLACKWELL_ONLY}" if name == "fa4" else "")
 

@@ -164,6 +164,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"output_attentions=True ({layer}): flashtile never forms the attention probabilities; use "
                          f"attn_implementation='eager' to get them")
     seqlen_q = query.shape[2]
+    if seqlen_q == 1:
+        # one query row per sequence cannot be a packed batch: without position_ids the flash-attention path skips its
+        # packing test, which in some releases (5.17; not 5.24) reads the ids' values and so waits for the GPU in
+        # every layer of every decode step
+        kwargs.pop("position_ids", None)
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))  # flash-attn's (batch, seqlen, heads, dim)
     # transformers casts float32 q, k, v to the dtype of the model's linear layers (float32 layer norms under PEFT,
     # autocast); flashtile takes float32 as it is, so only a real change of dtype is passed on

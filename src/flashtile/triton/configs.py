@@ -292,7 +292,8 @@ class TritonTiles:
     bwd_num_warps: int
     bwd_num_stages: int
     # 0: pointer loads (fwd.py); 1: TMA descriptors; 2: TMA + warp specialization (fwd_tma.py); 3: the Gluon forward
-    # (fwd_gluon.py) where it serves the call, schedule 1 where not
+    # (fwd_gluon.py) where it serves the call, schedule 1 where not; 5: the decode kernels (decode.py) over the keys as
+    # a full cache (decode_forward)
     forward_schedule: int = 0
     # backward: 0 the dK/dV then the dQ kernel; 1 both kinds of program in one launch; 2, 3 as 0, 1 with the
     # streamed Q/dO (dK/dV programs) and K/V (dQ programs) tiles loaded by TMA (bwd.py)
@@ -377,6 +378,8 @@ class TritonTiles:
         if self.forced_schedule == SCHEDULE_CODES["fa1"]:
             forward = (f"forward (attention_fwd_fa1_kernel, key blocks outer, O / m / l through global memory) "
                        f"BLOCK_M {self.block_m} x BLOCK_N {self.block_n}, {self.num_warps} warps")
+        elif self.forward_schedule == DECODE_FORWARD_SCHEDULE:
+            forward = f"forward ({FORWARD_SCHEDULES[DECODE_FORWARD_SCHEDULE]})"
         elif self.forward_schedule == 3:
             reason = gluon_unserved_reason(problem, self.gluon_tile)
             forward = (f"forward: the Gluon forward does not serve this call ({reason}), so {triton_forward}" if reason
@@ -416,7 +419,13 @@ FORWARD_SCHEDULES = {
         "consumer warpgroups with asynchronous wgmma and P in registers) on sm_90 for fp16 / bf16 dense or packed "
         "calls of padded head widths 64 / 128 (256 with d == dv) without attn_mask; any other call takes "
         "attention_fwd_tma_kernel as schedule 1"),
+    5: ("attention_decode_kernel (+ attention_decode_combine_kernel when the keys are split): Flash-Decoding over "
+        "the keys as a full KV cache, a K/V head's query rows in one tile"),
 }
+DECODE_FORWARD_SCHEDULE = 5
+# query rows per K/V head (seqlen_q x the GQA group) that one tile of the decode kernel holds: up to these, calls
+# without a KV cache take the decode kernels (decode_forward)
+DECODE_FORWARD_ROWS = 64
 
 BACKWARD_SCHEDULES = {
     0: "attention_bwd_dq_kernel (which also computes each row's delta), then attention_bwd_dkdv_kernel",
@@ -572,12 +581,40 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     return dict(base, gluon_balanced=1, gluon_across_tiles=1) if across else {}
 
 
+def decode_forward_unserved_reason(problem: AttentionProblem) -> str:
+    """Why the decode kernels cannot run `problem`'s forward with k and v as a full KV cache ('' where they can): they
+    take dense calls with keys, without attn_mask or dropout, whose band, if any, is aligned to the last key."""
+    p = problem
+    aligned = not p.is_banded or p.diagonal_offset == p.seqlen_k - p.seqlen_q
+    for unserved, reason in ((p.varlen or p.paged, "packed batches"), (p.kvcache, "KV-cache calls"),
+                             (p.mask_kind is not None, "an attn_mask"), (p.dropout_p > 0, "dropout"),
+                             (not aligned, "a band aligned to the first key (SDPA's top-left causal)"),
+                             (p.seqlen_k == 0, "calls without keys")):
+        if unserved:
+            return f"the decode kernels' forward does not take {reason}"
+    return ""
+
+
+def decode_forward(problem: AttentionProblem, hopper: bool) -> bool:
+    """Whether the table runs a call's forward by the decode kernels, as flash_attn_with_kvcache would with k and v as
+    a full cache (the backward stays the table's): on sm_90 for fp16 / bf16, a call they serve
+    (decode_forward_unserved_reason) of at most DECODE_FORWARD_ROWS query rows per K/V head, such as a decode step
+    through flash_attn_func (transformers' generate calls it so). There the Gluon forward fills a 128-row tile per
+    query head and pays its TMA descriptors' host time, while the decode kernel reads each K/V head once for its
+    whole GQA group and splits long key ranges over the SMs."""
+    return (hopper and problem.seqlen_q * problem.group_size <= DECODE_FORWARD_ROWS
+            and not decode_forward_unserved_reason(problem))
+
+
 def default_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
     """The table: the launch settings for `problem` on a GPU of compute capability `capability` (None: the CPU
-    interpreter). The Triton kernels' tiles (_triton_tiles), with the Gluon forward (schedule 3) in the cells where it
-    measured faster (_gluon_forward); its Triton tile stays for the calls the Gluon forward turns away."""
+    interpreter). The Triton kernels' tiles (_triton_tiles), with the decode kernels' forward for calls of a few
+    query rows (decode_forward) and elsewhere the Gluon forward (schedule 3) in the cells where it measured faster
+    (_gluon_forward); its Triton tile stays for the calls the Gluon forward turns away."""
     tiles = _triton_tiles(problem, capability)
     hopper = capability == (9, 0) and problem.dtype in (torch.float16, torch.bfloat16)
+    if decode_forward(problem, hopper):
+        return dataclasses.replace(tiles, forward_schedule=DECODE_FORWARD_SCHEDULE)
     return dataclasses.replace(tiles, **_gluon_forward(problem, hopper))
 
 

@@ -282,6 +282,8 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     rng_state: the call's dropout (seed, offset) (flashtile._dropout.draw_state) when problem.dropout_p > 0.
     """
     p = problem
+    if tiles.forward_schedule == configs.DECODE_FORWARD_SCHEDULE:
+        return forward_by_decode(q, k, v, alibi_slopes, p, learnable_sink)
     if tiles.forced_schedule == configs.SCHEDULE_CODES["fa1"]:
         # the dispatcher forced it only for calls it serves (_schedules.unserved_reason)
         return launch_fa1(q, k, v, p, tiles.block_m, tiles.block_n, tiles.num_warps, learnable_sink)
@@ -454,6 +456,26 @@ def _dealt_tiles(device: torch.device, problem: AttentionProblem, programs: int,
     flat = [tile for tiles in dealt for tile in tiles]
     return (torch.tensor(flat, dtype=torch.int32, device=device),
             torch.tensor(starts, dtype=torch.int32, device=device))
+
+
+def forward_by_decode(q, k, v, alibi_slopes, problem: AttentionProblem, learnable_sink=None):
+    """A dense call's forward by the decode kernels (forward schedule 5, configs.decode_forward): k and v (batch,
+    seqlen_k, nheads_k, dim) as full KV caches of seqlen_k keys, as flash_attn_with_kvcache(q, k, v,
+    cache_seqlens=seqlen_k) runs them, whose band rule (aligned to each sequence's last key) is the call's. Returns
+    out, lse as forward(). Raises BackendUnavailableError for a call the decode kernels do not serve (a tile setting
+    that forces the schedule onto one)."""
+    from .._validate import prepare_kvcache  # the KV cache's validation: its layouts key the decode plans
+
+    p = problem
+    reason = configs.decode_forward_unserved_reason(p)
+    if reason:
+        raise BackendUnavailableError(f"forward_schedule=5 of backend 'triton' cannot serve this call: {reason}")
+    # alibi_slopes comes as (batch or 1, nheads); the KV cache takes (nheads,) or (batch, nheads)
+    slopes = alibi_slopes[0] if alibi_slopes is not None and alibi_slopes.shape[0] == 1 else alibi_slopes
+    call = prepare_kvcache(q, k, v, None, None, p.seqlen_k, None, softmax_scale=p.softmax_scale, causal=False,
+                           window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,
+                           num_splits=0, return_softmax_lse=True, check_values=False, learnable_sink=learnable_sink)
+    return decode(call, 0)
 
 
 def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonTile, cu_seqlens_q=None,
