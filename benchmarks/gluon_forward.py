@@ -20,10 +20,12 @@ times of its variants beside cuDNN, FA2 (SDPA's flash backend) and flashtile's T
                                                       # profiler: WHAT a setting, "table" (flashtile's choice) or
                                                       # "cudnn"
 
-SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>[pp][n<keys>][e<n>][x1], grid 0 one CTA
-per tile, 1 persistent in snake order, 2 persistent with the launcher's deal, pp pingpong, n keys per block (default
-128), e one exponential in n on the FMA units, x1 the next tile's first block under each tile's last P V; e.g.
-c2s2o1p1,c3s2o0p0,c2s2o0p1n256,c2s3o1p1e8,c2s2o1p2x1.
+SETTINGS are comma-separated names c<consumers>s<stages>o<overlap>p<grid>[pp][n<keys>][e<n>][x1][h1], grid 0 one
+CTA per tile, 1 persistent in snake order, 2 persistent with the launcher's deal, pp pingpong, n keys per block
+(default 128), e one exponential in n on the FMA units, x1 the next tile's first block under each tile's last P V, h1
+each tile's last block computed on its first half by the first consumer (two consumers, blocks of 128 keys, dense
+calls whose band closes at the diagonal, seqlen_k - seqlen_q a multiple of 128; other calls skipped); e.g.
+c2s2o1p1,c3s2o0p0,c2s2o0p1n256,c2s3o1p1e8,c2s2o1p2x1,c2s2o1p2x1h1.
 
 Inputs are random from fixed seeds; times are triton.testing.do_bench medians in the FlashAttention benchmark
 convention (16,384 tokens per batch, model width 2048; forward FLOPs 4 B H N^2 d, halved for causal).
@@ -166,11 +168,20 @@ def _takes(tile, headdims, packed=False, banded=False, alibi=False) -> bool:
     """Whether the setting serves heads this wide (configs.gluon_unserved_reason): three consumers and blocks of 256
     keys take head dims up to 64, and three consumers no packed batch; one consumer (two CTAs per SM) up to 64, or
     128 with blocks of 64 keys; the next tile's first block under each tile's last P V takes head dims up to 128,
-    dense batches without ALiBi or a band other than causal with every row seeing a key (`banded`: such a band)."""
+    dense batches without ALiBi or a band other than causal with every row seeing a key (`banded`: such a band); the
+    first consumer's last block on its first half, dense batches (which of them: _half_admits)."""
     narrow = tile.consumers == 3 or tile.block_n == 256 or (tile.consumers == 1 and tile.block_n > 64)
     return not (narrow and max(headdims) > 64) and not (packed and tile.consumers == 3) and \
         not (tile.consumers == 1 and max(headdims) > 128) and \
-        not (tile.across_tiles and (packed or banded or alibi or max(headdims) > 128))
+        not (tile.across_tiles and (packed or banded or alibi or max(headdims) > 128)) and \
+        not (tile.half_diagonal and packed)
+
+
+def _half_admits(tile, q, k, v, **options) -> bool:
+    """Whether the call admits the setting's first-consumer last block on its first half (gluon_half_diagonal: a band
+    closing at the diagonal, seqlen_k - seqlen_q a multiple of 128, head dims up to 128; configs.
+    gluon_unserved_reason); True for a setting without it."""
+    return not tile.half_diagonal or not configs.gluon_unserved_reason(problem_of(q, k, v, **options), tile)
 
 
 def check_packed(tiles, dtypes=(torch.bfloat16, torch.float16)) -> bool:
@@ -243,7 +254,8 @@ def _name(tile) -> str:
     return (f"c{tile.consumers}s{tile.num_stages}o{int(tile.overlap)}"
             f"p{int(tile.persistent) + int(tile.persistent and tile.balanced)}" + ("pp" if tile.pingpong else "")
             + (f"n{tile.block_n}" if tile.block_n != G().block_n else "")
-            + (f"e{tile.exp2_emulated}" if tile.exp2_emulated else "") + ("x1" if tile.across_tiles else ""))
+            + (f"e{tile.exp2_emulated}" if tile.exp2_emulated else "") + ("x1" if tile.across_tiles else "")
+            + ("h1" if tile.half_diagonal else ""))
 
 
 def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
@@ -269,6 +281,9 @@ def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
         ("softcap 30", (2, 500, 500, 4, 4, 128, 128), dict(softcap=30.0, causal=True)),
         ("causal sq > sk (masked rows)", (2, 700, 300, 4, 4, 128, 128), dict(causal=True)),
         ("scale 0.5", (2, 300, 300, 4, 4, 64, 64), dict(scale=0.5)),
+        # the diagonal offset by whole blocks of 128 keys, either way
+        ("causal sq 256 sk 384", (2, 256, 384, 4, 4, 128, 128), dict(causal=True)),
+        ("causal sq 640 sk 512 (masked rows)", (2, 640, 512, 4, 4, 64, 64), dict(causal=True)),
         # more tiles than SMs: a CTA takes several (with gluon_across_tiles, starting each under the last)
         ("many tiles: GQA 8:1 d 64", (8, 1000, 1000, 16, 2, 64, 64), dict()),
         ("many tiles: softcap, sq > sk, d 128", (4, 1500, 400, 16, 4, 128, 128), dict(softcap=30.0)),
@@ -282,24 +297,26 @@ def check(tiles=None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
             for i, (name, shape, options) in enumerate(cases):
                 q, k, v = _inputs(*shape, dtype, seed=i)
                 causal_unseen = options.get("causal", False) and shape[1] > shape[2]  # rows that see no key
-                if not _takes(tile, shape[5:], banded=causal_unseen or "window" in options):
+                if not (_takes(tile, shape[5:], banded=causal_unseen or "window" in options)
+                        and _half_admits(tile, q, k, v, **options)):
                     continue
                 ok &= check_case(f"{_name(tile)} {dtype} {name}", q, k, v, tile=tile, **options)
-        if _takes(tile, (128,), alibi=True):
+        if _takes(tile, (128,), alibi=True) and not tile.half_diagonal:
             # ALiBi (per head and per batch entry)
             q, k, v = _inputs(2, 600, 700, 4, 4, 128, 128, torch.bfloat16, seed=100)
             ok &= check_case(f"{_name(tile)} alibi (nheads,)", q, k, v, torch.rand(4, device=DEVICE), tile=tile,
                              causal=True)
             ok &= check_case(f"{_name(tile)} alibi (batch, nheads)", q, k, v, torch.rand(2, 4, device=DEVICE),
                              tile=tile)
-        if _takes(tile, (128,)):
+        if _takes(tile, (128,)) and not tile.half_diagonal:
             # large scores
             q, k, v = _inputs(2, 500, 1000, 4, 4, 128, 128, torch.bfloat16, seed=101, scale=30.0)
             ok &= check_case(f"{_name(tile)} |scores| ~ 1e3", q, k, v, tile=tile)
-        # a late maximum
-        q, k, v = _inputs(2, 500, 1000, 4, 4, 64, 64, torch.float16, seed=102)
+        # a late maximum (causal, 512 keys more than queries, for the first consumer's last block on its first half:
+        # the last rows see it)
+        q, k, v = _inputs(2, 500, 1012 if tile.half_diagonal else 1000, 4, 4, 64, 64, torch.float16, seed=102)
         k[:, -3:] = q[:, :1].mean(dim=1, keepdim=True).expand(-1, 3, -1, -1) * 8  # the largest scores in the last tile
-        ok &= check_case(f"{_name(tile)} late maximum", q, k, v, tile=tile)
+        ok &= check_case(f"{_name(tile)} late maximum", q, k, v, tile=tile, causal=tile.half_diagonal)
     return ok
 
 
@@ -473,19 +490,22 @@ def small(tiles=None) -> bool:
                       G(block_n=256, overlap=False), G(across_tiles=True)]
     ok = True
     for t, tile in enumerate(tiles):
-        # the last: 192 tiles of 70 keys each, more than the SMs, so that a CTA takes several
+        # the fourth: 192 tiles of 70 keys each, more than the SMs, so that a CTA takes several; the last: causal
+        # with the diagonal offset by a block of 128 keys
         for i, (shape, options) in enumerate([((1, 200, 150, 4, 2, 64, 64), dict(causal=True)),
                                                ((1, 130, 257, 2, 2, 128, 128), dict()),
                                                ((1, 100, 300, 2, 1, 128, 64), dict(window=(40, 20))),
-                                               ((1, 300, 70, 64, 8, 64, 64), dict())]):
-            if not _takes(tile, shape[5:], banded=bool(options)):
-                continue
+                                               ((1, 300, 70, 64, 8, 64, 64), dict()),
+                                               ((1, 256, 384, 2, 2, 64, 64), dict(causal=True))]):
             q, k, v = _inputs(*shape, torch.bfloat16, seed=10 * t + i)
+            if not (_takes(tile, shape[5:], banded=bool(options)) and _half_admits(tile, q, k, v, **options)):
+                continue
             ok &= check_case(f"small {tile} {shape} {options}", q, k, v, tile=tile, **options)
-        if _takes(tile, (64,), alibi=True):
+        if _takes(tile, (64,), alibi=True) and not tile.half_diagonal:
             q, k, v = _inputs(1, 90, 90, 2, 2, 64, 64, torch.float16, seed=100 + t)
             ok &= check_case(f"small {tile} alibi", q, k, v, torch.rand(2, device=DEVICE), tile=tile, causal=True)
-        if not tile.balanced and tile.consumers == 2 and not tile.across_tiles:  # the packed batches' settings
+        if _takes(tile, (64,), packed=True) and not tile.balanced and tile.consumers == 2:
+            # the packed batches' settings
             ok &= check_packed_case(f"small {_name(tile)} packed", [70, 1, 150], [70, 5, 150], (2, 1, 64, 64), tile,
                                     torch.bfloat16, 200 + t, causal=True)
     return ok
@@ -502,7 +522,7 @@ def _variants(text):
         tiles.append(G(consumers=fields["c"], num_stages=fields["s"], overlap=bool(fields["o"]),
                        persistent=fields["p"] > 0, balanced=fields["p"] == 2, pingpong="pp" in name,
                        block_n=fields.get("n", G().block_n), exp2_emulated=fields.get("e", 0),
-                       across_tiles=bool(fields.get("x", 0))))
+                       across_tiles=bool(fields.get("x", 0)), half_diagonal=bool(fields.get("h", 0))))
     return tiles
 
 

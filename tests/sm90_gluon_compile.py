@@ -107,9 +107,26 @@ def extra_tiles():
              configs.GluonTile(consumers=1, balanced=True, across_tiles=True)),
             ("bf16 d128 one consumer, blocks of 64 keys", problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
              configs.GluonTile(consumers=1, block_n=64)),
+            *half_diagonal_tiles(),
             ("bf16 d64 packed causal, blocks of 256 keys",
              dataclasses.replace(problem_for(1000, 1000, 64, 64, torch.bfloat16, True, batch=3), varlen=True),
              configs.GluonTile(block_n=256, overlap=False))]
+
+
+def half_diagonal_tiles():
+    """The first consumer's last block on its first half (gluon_half_diagonal, opt-in) on causal calls at d = 64 and
+    128: at 1k keys on the table's setting (dealt tiles, each started under the last one's P V; pingpong at d = 128),
+    at 4k on dealt tiles alone."""
+    tiles = []
+    for headdim in (64, 128):
+        short = problem_for(1024, 1024, headdim, headdim, torch.bfloat16, True)
+        table = configs.default_tiles(short, (9, 0)).gluon_tile
+        tiles += [(f"bf16 d{headdim} n1024 causal, the table's setting, last block on its first half", short,
+                   dataclasses.replace(table, half_diagonal=True)),
+                  (f"bf16 d{headdim} causal dealt tiles, last block on its first half",
+                   problem_for(4096, 4096, headdim, headdim, torch.bfloat16, True),
+                   configs.GluonTile(balanced=True, half_diagonal=True))]
+    return tiles
 
 
 def recorded_gluon_launch(problem, tile):
@@ -208,7 +225,7 @@ def recorded_gluon_backward_launch(problem, overlap=False):
 
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
          "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "EXP2_EMULATED", "ACROSS_TILES", "CONSUMER_REGISTERS",
-         "HAS_SINK", "maxnreg")
+         "HAS_SINK", "HALF_DIAGONAL", "maxnreg")
 
 
 def _triton_ptxas_flags() -> list[str]:

@@ -137,6 +137,77 @@ def test_each_tile_starts_under_the_last_only_where_every_tile_sees_a_key(monkey
     assert configs.gluon_unserved_reason(problem, tile) == reason
 
 
+HALF = "the first consumer's last block on its first half (gluon_half_diagonal)"
+CLOSES_AT_THE_DIAGONAL = f"{HALF} needs a band that closes at the diagonal (causal, or a window with window_right = 0)"
+
+
+def _offset(n):
+    return f"{HALF} needs seqlen_k - seqlen_q (the diagonal's offset) to be a multiple of 128, got {n}"
+
+
+@pytest.mark.parametrize("tile, shape, change, reason", [
+    # exact: the band closes at the diagonal, offset by a multiple of 128 either way (a left window edge too)
+    (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(), ""),
+    (configs.GluonTile(half_diagonal=True, balanced=True, across_tiles=True), (1024, 1024, 64), dict(), ""),
+    (configs.GluonTile(half_diagonal=True, balanced=True, across_tiles=True, pingpong=True), (1000, 1000, 128),
+     dict(), ""),
+    (configs.GluonTile(half_diagonal=True), (256, 384, 128), dict(), ""),
+    (configs.GluonTile(half_diagonal=True), (640, 512, 128), dict(), ""),
+    (configs.GluonTile(half_diagonal=True), (1000, 1000, 96), dict(window_left=100), ""),
+    # the diagonal offset by other than whole blocks of 128 keys
+    (configs.GluonTile(half_diagonal=True), (300, 301, 128), dict(), _offset(1)),
+    (configs.GluonTile(half_diagonal=True, balanced=True, across_tiles=True), (1000, 1001, 64), dict(), _offset(1)),
+    (configs.GluonTile(half_diagonal=True), (1024, 1000, 128), dict(), _offset(-24)),
+    (configs.GluonTile(half_diagonal=True), (256, 448, 128), dict(), _offset(192)),
+    # a band that does not close at the diagonal
+    (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(window_right=20), CLOSES_AT_THE_DIAGONAL),
+    (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(window_right=-1), CLOSES_AT_THE_DIAGONAL),
+    (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(window_left=64, window_right=64),
+     CLOSES_AT_THE_DIAGONAL),
+    # packed batches, other tiles
+    (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(varlen=True), f"{HALF} is built for dense batches"),
+    (configs.GluonTile(half_diagonal=True, consumers=3), (1024, 1024, 64), dict(),
+     f"{HALF} is built for two consumer warpgroups (128-row tiles) and blocks of 128 keys, got 3 and 128"),
+    (configs.GluonTile(half_diagonal=True, consumers=1, block_n=64), (1024, 1024, 64), dict(),
+     f"{HALF} is built for two consumer warpgroups (128-row tiles) and blocks of 128 keys, got 1 and 64"),
+    (configs.GluonTile(half_diagonal=True, block_n=64), (1024, 1024, 128), dict(),
+     f"{HALF} is built for two consumer warpgroups (128-row tiles) and blocks of 128 keys, got 2 and 64"),
+    (configs.GluonTile(half_diagonal=True), (1024, 1024, 256), dict(),  # 256-wide heads take blocks of 64 keys
+     f"{HALF} is built for two consumer warpgroups (128-row tiles) and blocks of 128 keys, got 2 and 64"),
+    (configs.GluonTile(half_diagonal=True, overlap=False), (1024, 1024, 128), dict(),
+     f"{HALF} is built into the intra-warpgroup overlap: it needs gluon_overlap=1")])
+def test_the_first_consumer_halves_its_last_block_only_where_its_rows_end_at_the_middle(monkeypatch, tile, shape,
+                                                                                       change, reason):
+    """gluon_half_diagonal is a compile-time choice for the first consumer: admitted where each tile's last block
+    starts at m0 + seqlen_k - seqlen_q (blocks and tiles of 128, the offset a multiple of 128, the band closing at
+    the diagonal), turned away elsewhere (the Triton forward runs, explain() says why)."""
+    _on_a_hopper(monkeypatch)
+    seqlen_q, seqlen_k, headdim = shape
+    problem = dataclasses.replace(problem_for(seqlen_q, seqlen_k, headdim, headdim, torch.bfloat16, True),
+                                  device=torch.device("cuda"), **change)
+    assert configs.gluon_unserved_reason(problem, tile) == reason
+    # the setting forced on top of the table's, as use_backend(..., forward_schedule=3, gluon_*=...) does
+    tiles = dataclasses.replace(configs.default_tiles(problem, HOPPER), forward_schedule=3, gluon_block_n=tile.block_n,
+                                gluon_overlap=int(tile.overlap), gluon_pingpong=int(tile.pingpong),
+                                gluon_balanced=int(tile.balanced), gluon_consumers=tile.consumers,
+                                gluon_across_tiles=int(tile.across_tiles), gluon_half_diagonal=1)
+    assert tiles.gluon_tile == tile
+    text = tiles.describe(problem)
+    if reason:
+        assert f"forward: the Gluon forward does not serve this call ({reason}), so forward (" in text, text
+    else:
+        assert "each tile's last block computed on its first half by the first consumer" in text, text
+
+
+def test_the_table_never_halves_a_last_block():
+    """gluon_half_diagonal is opt-in: no cell of the table takes it."""
+    for headdim in (64, 128):
+        for seqlen in (1024, 4096, 16384):
+            for causal in (False, True):
+                problem = problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal)
+                assert not configs.default_tiles(problem, HOPPER).gluon_tile.half_diagonal
+
+
 @pytest.mark.parametrize("headdim", (64, 128))
 def test_the_table_starts_each_tile_under_the_last_below_4k_keys_where_every_row_sees_a_key(headdim):
     def across(seqlen_q, seqlen_k, causal):
@@ -258,6 +329,7 @@ def test_a_call_it_turns_away_runs_the_triton_forward_and_explain_says_why(seed)
     ("gluon_overlap", 2, "tile setting gluon_overlap must be 0 or 1, got 2"),
     ("gluon_persistent", -1, "tile setting gluon_persistent must be 0 or 1, got -1"),
     ("gluon_across_tiles", 2, "tile setting gluon_across_tiles must be 0 or 1, got 2"),
+    ("gluon_half_diagonal", 2, "tile setting gluon_half_diagonal must be 0 or 1, got 2"),
     ("gluon_stages", 0, "tile setting gluon_stages must be a positive int, got 0"),
     ("gluon_consumers", 4, "tile setting gluon_consumers must be 1, 2 or 3, got 4"),
     ("gluon_block_n", 96, "tile setting gluon_block_n must be 64, 128 or 256, got 96"),

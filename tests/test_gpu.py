@@ -93,7 +93,12 @@ GLUON_SETTINGS = {"table": {}, "no-overlap": dict(gluon_overlap=0, gluon_across_
                   "across-tiles-dealt-pingpong": dict(gluon_across_tiles=1, gluon_balanced=1, gluon_pingpong=1),
                   "across-tiles-dealt": dict(gluon_across_tiles=1, gluon_balanced=1),
                   "one-consumer": dict(gluon_consumers=1, gluon_block_n=64, gluon_pingpong=0),
-                  "one-consumer-dealt-across-tiles": dict(gluon_consumers=1, gluon_balanced=1, gluon_across_tiles=1)}
+                  "one-consumer-dealt-across-tiles": dict(gluon_consumers=1, gluon_balanced=1, gluon_across_tiles=1),
+                  # the first consumer's last block on its first half (bands closing at a diagonal offset by a
+                  # multiple of 128 only; with the table's across-tiles where it takes it)
+                  "half-diagonal": dict(gluon_half_diagonal=1),
+                  "half-diagonal-pingpong": dict(gluon_half_diagonal=1, gluon_pingpong=1, gluon_balanced=1),
+                  "half-diagonal-one-cta": dict(gluon_half_diagonal=1, gluon_persistent=0, gluon_across_tiles=0)}
 GLUON_CASES = {
     "one-key": ((2, 113, 1, 4, 4, 64, 64), {}),
     "one-query-causal": ((2, 1, 1023, 4, 4, 128, 128), {"causal": True}),
@@ -134,11 +139,22 @@ def _gluon_serves(case, settings) -> bool:
     """Three consumer warpgroups (160 registers each) and blocks of 256 keys (their shared memory) are d <= 64 settings,
     whose 256-wide heads take blocks of 64 keys; one consumer (two CTAs per SM) takes heads up to 128 wide with blocks of
     64 keys and up to 64 with 128; three stages, and two tiles' query rows (gluon_across_tiles), do not fit 256-wide
-    heads; the latter is built for calls without a left band edge or ALiBi whose every row sees a key."""
+    heads; the latter is built for calls without a left band edge or ALiBi whose every row sees a key. The first
+    consumer's last block on its first half (gluon_half_diagonal) serves bands that close at the diagonal, offset by a
+    multiple of 128 (_half_diagonal_admits), with blocks of 128 keys (not the 64 that 256-wide heads take)."""
     (_, seqlen_q, seqlen_k, *_), options = case
     unlike_across = ("window_size" in options or options.get("alibi")
                      or (options.get("causal") and seqlen_q > seqlen_k))
-    return _serves_widths(case[0][5:], settings) and not (unlike_across and settings.get("gluon_across_tiles"))
+    return _serves_widths(case[0][5:], settings) and not (unlike_across and settings.get("gluon_across_tiles")) and \
+        not (settings.get("gluon_half_diagonal") and not _half_diagonal_admits(seqlen_q, seqlen_k, options))
+
+
+def _half_diagonal_admits(seqlen_q, seqlen_k, options) -> bool:
+    """Whether a dense call's band closes at the diagonal (causal, or window_right 0) and seqlen_k - seqlen_q is a
+    multiple of 128: where each tile's last block starts at its first row plus that offset
+    (configs._half_diagonal_reason)."""
+    closes_at_the_diagonal = options.get("causal") or options.get("window_size", (-1, -1))[1] == 0
+    return bool(closes_at_the_diagonal) and (seqlen_k - seqlen_q) % 128 == 0
 
 
 def _serves_widths(widths, settings) -> bool:
@@ -147,7 +163,8 @@ def _serves_widths(widths, settings) -> bool:
                 (settings.get("gluon_consumers") == 1 and width > (128 if settings.get("gluon_block_n") == 64 else 64))
                 or
                 (settings.get("gluon_block_n") == 256 and 64 < width <= 128) or
-                ((settings.get("gluon_stages") == 3 or settings.get("gluon_across_tiles")) and width > 128))
+                ((settings.get("gluon_stages") == 3 or settings.get("gluon_across_tiles")
+                  or settings.get("gluon_half_diagonal")) and width > 128))
 
 
 GLUON_PARAMS = [pytest.param(case, settings, id=f"{case_id}-{settings_id}")
@@ -169,6 +186,59 @@ def test_gluon_forward_follows_the_oracle_and_repeats_its_bits(case, settings, s
         assert "attention_fwd_gluon_kernel" in flashtile.explain(q, k, v, **kwargs)
         out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
         again = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), "a rerun changed bits"
+    (ref_out, ref_lse), (eager_out, eager_lse) = (flash_attn_reference(q, k, v, **kwargs),
+                                                  flash_attn_reference(q, k, v, dtype=torch.bfloat16, **kwargs))
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), "rows that see no key must have lse -inf, and only those"
+    assert_close_to_oracle("out", out, ref_out, eager_out, torch.bfloat16, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.bfloat16, seed)
+
+
+# The first consumer's last block on its first half (gluon_half_diagonal, opt-in), forced with and without each
+# tile started under the last: causal calls whose diagonal is offset by whole blocks of 128 keys (either way; many
+# tiles per CTA at 1k), which it serves, and by one key (seqlen_k = seqlen_q + 1), which it turns away: those run the
+# Triton forward, and explain() says why
+HALF_DIAGONAL_CASES = {
+    "d128-causal-256x384": ((2, 256, 384, 8, 8, 128, 128), {"causal": True}),
+    "d64-causal-640x512-masked-rows": ((2, 640, 512, 8, 8, 64, 64), {"causal": True}),
+    "d64-causal-1000-many-tiles": ((8, 1000, 1000, 16, 16, 64, 64), {"causal": True}),
+    "d128-causal-1000-many-tiles": ((8, 1000, 1000, 16, 4, 128, 128), {"causal": True}),
+    "d64-causal-1024-many-tiles": ((16, 1024, 1024, 32, 32, 64, 64), {"causal": True}),
+    "d128-causal-1024-many-tiles": ((16, 1024, 1024, 16, 16, 128, 128), {"causal": True}),
+    "d96-window-left-200": ((4, 1000, 1000, 16, 16, 96, 96), {"window_size": (200, 0)}),
+    "d128-causal-300x301-offset-1": ((2, 300, 301, 8, 8, 128, 128), {"causal": True}),
+    "d64-causal-1000x1001-offset-1": ((8, 1000, 1001, 16, 16, 64, 64), {"causal": True}),
+    "d128-causal-1000x1001-offset-1": ((8, 1000, 1001, 16, 4, 128, 128), {"causal": True}),
+}
+HALF_DIAGONAL_SETTINGS = {
+    "alone": dict(gluon_half_diagonal=1, gluon_across_tiles=0),
+    "dealt-across-tiles": dict(gluon_half_diagonal=1, gluon_balanced=1, gluon_across_tiles=1),
+    "dealt-across-tiles-pingpong": dict(gluon_half_diagonal=1, gluon_balanced=1, gluon_across_tiles=1,
+                                        gluon_pingpong=1),
+}
+HALF_DIAGONAL_PARAMS = [pytest.param(case, settings, id=f"{case_id}-{settings_id}")
+                        for case_id, case in HALF_DIAGONAL_CASES.items()
+                        for settings_id, settings in HALF_DIAGONAL_SETTINGS.items()
+                        # each tile started under the last needs every row to see a key, no left band edge
+                        if not (settings["gluon_across_tiles"] and (case[0][1] > case[0][2] or
+                                                                    "window_size" in case[1]))]
+
+
+@pytest.mark.parametrize("case, settings", HALF_DIAGONAL_PARAMS)
+def test_gluon_half_diagonal_serves_whole_block_offsets_and_turns_the_rest_away(case, settings, seed):
+    shape, kwargs = case
+    q, k, v = random_qkv(*shape, torch.bfloat16)
+    with flashtile.use_backend("triton", forward_schedule=3, **settings):
+        text = flashtile.explain(q, k, v, **kwargs)
+        out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+        again = flashtile.flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    if _half_diagonal_admits(shape[1], shape[2], kwargs):
+        assert "attention_fwd_gluon_kernel" in text and \
+            "each tile's last block computed on its first half by the first consumer" in text, text
+    else:
+        assert ("the Gluon forward does not serve this call (the first consumer's last block on its first half "
+                "(gluon_half_diagonal) needs seqlen_k - seqlen_q (the diagonal's offset) to be a multiple of 128, "
+                "got 1)") in text, text
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), "a rerun changed bits"
     (ref_out, ref_lse), (eager_out, eager_lse) = (flash_attn_reference(q, k, v, **kwargs),
                                                   flash_attn_reference(q, k, v, dtype=torch.bfloat16, **kwargs))

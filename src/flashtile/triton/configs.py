@@ -36,6 +36,10 @@ class GluonTile:
     # with overlap: the next tile's first score matmul and softmax step issued under this tile's last P V (each
     # consumer holds the query rows of two tiles)
     across_tiles: bool = False
+    # with overlap, two consumers, blocks of 128 keys and a band closing at the diagonal offset by a multiple of 128
+    # (configs._half_diagonal_reason): a tile's last key block, whose second half the first consumer's rows do not
+    # see (their causal diagonal block), computed on its first half by that consumer
+    half_diagonal: bool = False
 
     @property
     def block_m(self) -> int:
@@ -74,15 +78,17 @@ class GluonTile:
                 f"{self._grid()}"
                 + (", the next tile's first block under each tile's last P V, " if self.across_tiles else ", ")
                 + f"{self.consumer_registers} registers per consumer thread"
-                + (f", one exponential in {self.exp2_emulated} on the FMA units" if self.exp2_emulated else ""))
+                + (f", one exponential in {self.exp2_emulated} on the FMA units" if self.exp2_emulated else "")
+                + (", each tile's last block computed on its first half by the first consumer (whose rows do not "
+                   "see its second half)" if self.half_diagonal else ""))
 
 
 @functools.lru_cache(maxsize=256)
 def _gluon_tile_of(block_n: int, stages: int, overlap: int, pingpong: int, persistent: int, consumers: int,
-                   balanced: int, exp2_emulated: int, across_tiles: int) -> GluonTile:
+                   balanced: int, exp2_emulated: int, across_tiles: int, half_diagonal: int) -> GluonTile:
     return GluonTile(block_n=block_n, num_stages=stages, overlap=bool(overlap), pingpong=bool(pingpong),
                      persistent=bool(persistent), consumers=consumers, balanced=bool(balanced),
-                     exp2_emulated=exp2_emulated, across_tiles=bool(across_tiles))
+                     exp2_emulated=exp2_emulated, across_tiles=bool(across_tiles), half_diagonal=bool(half_diagonal))
 
 
 GLUON_WIDTHS = (64, 128, 256)  # padded q/k and v head widths the Gluon forward serves (256: d == dv only)
@@ -224,6 +230,28 @@ def _across_tiles_reason(p: AttentionProblem, tile: GluonTile) -> str:
     return ""
 
 
+def _half_diagonal_reason(p: AttentionProblem, tile: GluonTile) -> str:
+    """Why the first consumer cannot compute a tile's last block on its first half (gluon_half_diagonal) here ('' where
+    it can). The kernel takes it as a compile-time choice for that consumer, exact where the band closes at the
+    diagonal, tiles of 128 rows meet blocks of 128 keys and the diagonal offset is a multiple of 128: then each tile's
+    last block starts at m0 + seqlen_k - seqlen_q and the first consumer's 64 rows see its first 64 keys only
+    (fwd_gluon._consumer)."""
+    setting = "the first consumer's last block on its first half (gluon_half_diagonal)"
+    if not tile.overlap:
+        return f"{setting} is built into the intra-warpgroup overlap: it needs gluon_overlap=1"
+    if p.varlen:
+        return f"{setting} is built for dense batches"
+    if tile.consumers != 2 or gluon_block_n(p, tile) != 128:
+        return (f"{setting} is built for two consumer warpgroups (128-row tiles) and blocks of 128 keys, got "
+                f"{tile.consumers} and {gluon_block_n(p, tile)}")
+    if p.window_right != 0:
+        return f"{setting} needs a band that closes at the diagonal (causal, or a window with window_right = 0)"
+    if p.diagonal_offset % 128:
+        return (f"{setting} needs seqlen_k - seqlen_q (the diagonal's offset) to be a multiple of 128, got "
+                f"{p.diagonal_offset}")
+    return ""
+
+
 def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
     """Why the Gluon forward does not serve `problem` ('' where it does); the tensors' alignment is checked at
     launch (launch.gluon_unserved)."""
@@ -258,6 +286,10 @@ def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
                 "they run without it (gluon_overlap=0)")
     if tile.across_tiles:
         reason = _across_tiles_reason(p, tile)
+        if reason:
+            return reason
+    if tile.half_diagonal:
+        reason = _half_diagonal_reason(p, tile)
         if reason:
             return reason
     if tile.consumers == 3 and p.varlen:
@@ -323,6 +355,7 @@ class TritonTiles:
     gluon_balanced: int = 0  # persistent grid: the launcher deals the tiles (longest first, least loaded CTA)
     gluon_exp2_emulated: int = 0  # GluonTile.exp2_emulated; never chosen by the table (it measured slower)
     gluon_across_tiles: int = 0  # GluonTile.across_tiles
+    gluon_half_diagonal: int = 0  # GluonTile.half_diagonal
     # FlashAttention-4's moves in the Triton forwards (fwd.py, fwd_tma.py), set by the fa4 schedule only (0 elsewhere):
     # a row's running max kept while a block raises it by at most rescale_threshold (base 2; 0: always moved), and
     # one probability column in exp2_poly_every (2, 4 or 8; 0 none) by a cubic on the FMA units
@@ -347,7 +380,7 @@ class TritonTiles:
         """The Gluon forward's launch configuration (one object per distinct setting: a call reads it twice)."""
         return _gluon_tile_of(self.gluon_block_n, self.gluon_stages, self.gluon_overlap, self.gluon_pingpong,
                               self.gluon_persistent, self.gluon_consumers, self.gluon_balanced,
-                              self.gluon_exp2_emulated, self.gluon_across_tiles)
+                              self.gluon_exp2_emulated, self.gluon_across_tiles, self.gluon_half_diagonal)
 
     @property
     def backward_one_launch(self) -> bool:
@@ -469,8 +502,9 @@ DQ_TILE_KEYS = ("dq_block_m", "dq_block_n", "dq_num_warps")  # 0 = the dK/dV til
 DQ_KEYS = DQ_TILE_KEYS + ("dq_max_registers",)  # what only the two-launch schedules' dQ kernel has
 FORWARD_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "forward_schedule")  # forced: no table cap
 ZERO_MEANS_DEFAULT = DQ_KEYS + ("forward_max_registers",)  # tile settings for which 0 is the default
+# tile settings that are 0 or 1
 FLAG_KEYS = ("forward_separate_ragged_end", "gluon_overlap", "gluon_pingpong", "gluon_persistent",
-             "gluon_balanced", "gluon_across_tiles", "gluon_backward_overlap")  # tile settings that are 0 or 1
+             "gluon_balanced", "gluon_across_tiles", "gluon_half_diagonal", "gluon_backward_overlap")
 
 # Packed batches: each sequence's programs cover at most this many of its rows (queries in the forward and dQ grids,
 # keys in the dK/dV grid) and loop over the rest, so that a long max_seqlen does not launch, for every short sequence,
