@@ -199,13 +199,25 @@ def test_the_first_consumer_halves_its_last_block_only_where_its_rows_end_at_the
         assert "each tile's last block computed on its first half by the first consumer" in text, text
 
 
-def test_the_table_never_halves_a_last_block():
-    """gluon_half_diagonal is opt-in: no cell of the table takes it."""
-    for headdim in (64, 128):
-        for seqlen in (1024, 4096, 16384):
-            for causal in (False, True):
-                problem = problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal)
-                assert not configs.default_tiles(problem, HOPPER).gluon_tile.half_diagonal
+@pytest.mark.parametrize("headdim", (64, 128))
+def test_the_table_halves_the_last_block_below_4k_causal_keys_where_the_offset_is_whole_blocks(monkeypatch, headdim):
+    """The table takes gluon_half_diagonal with each tile started under the last (causal, below 4k keys) where the
+    diagonal's offset is a multiple of 128, and only where the setting serves the call (never a turned-away call
+    that would leave the Gluon forward)."""
+    _on_a_hopper(monkeypatch)
+
+    def half(seqlen_q, seqlen_k, causal):
+        problem = dataclasses.replace(problem_for(seqlen_q, seqlen_k, headdim, headdim, torch.bfloat16, causal),
+                                      device=torch.device("cuda"))
+        tiles = configs.default_tiles(problem, HOPPER)
+        if tiles.gluon_tile.half_diagonal:
+            assert tiles.forward_schedule == 3 and not configs.gluon_unserved_reason(problem, tiles.gluon_tile)
+        return tiles.gluon_tile.half_diagonal
+
+    assert half(1024, 1024, True) and half(896, 1024, True) and half(1000, 1000, True)
+    assert not half(1000, 1001, True) and not half(1024, 1000, True)  # offsets 1 and -24
+    assert not half(4096, 4096, True) and not half(16384, 16384, True)
+    assert not any(half(n, n, False) for n in (1024, 4096, 16384))
 
 
 @pytest.mark.parametrize("headdim", (64, 128))

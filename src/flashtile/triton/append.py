@@ -21,8 +21,8 @@ flashtile.kvcache.rotate for fp16, bf16 and fp32 inputs with float32 or same-dty
 A query program writes the rotated row to QOut (a new tensor). A new-token program writes its keys (rotated with
 ROTARY, else as given) to KCache and its values, unrotated, to VCache at the token's position: row CacheBatchIdx[b]
 (HAS_BATCH_IDX; else b) of a contiguous cache, or slot position % page_size of block BlockTable[b, position //
-page_size] of a paged one (PAGED). A position outside 0 .. capacity - 1, a row or block outside the cache drops the token's writes: unchecked values
-can never make the kernel write outside the caches.
+page_size] of a paged one (PAGED). A position outside 0 .. capacity - 1, a row or block outside the cache drops the
+token's writes: unchecked values can never make the kernel write outside the caches.
 
 Without ROTARY the kernel copies bits (any dtype the cache holds) and never reads Q, Cos, Sin or QOut. Limitations:
 float32 rotation only (no float64: the Triton backend does not take it); nothing is returned for the rotated new keys

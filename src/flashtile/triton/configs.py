@@ -580,6 +580,10 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
       423.3 dealt alone and 425.4 without pingpong (cuDNN 418 / 411); d = 64: 319.1 against 313.1 (cuDNN 336 / 331;
       the Triton forward, which d = 64 kept before, read 309 / 302 in A / B). From 4k keys it read -1.5..-2.5%.
       Elsewhere below 4k: d = 128 dealt tiles, d = 64 the Triton forward.
+    - there, where the causal diagonal's offset is a multiple of 128 keys (seqlen_q == seqlen_k among them), the
+      first consumer's last block on its first half (gluon_half_diagonal; raw/2026-12-03-h200-gluon-forward-half-
+      diagonal-static.txt): d = 64 1k 318.2 -> 325.8 / 325.1 (cuDNN 336.7 / 335.2 / 332.6), d = 128 1k with pingpong
+      425.4 -> 442.8 (cuDNN 428.2 / 413.8).
     - a left window edge: not measured, the Triton forward stays.
     - packed batches (22 sequences of 64..4,096 tokens, 16,682 in all, raw/2026-12-02-h200-gluon-forward-packed.jsonl):
       d = 128 two consumers, overlap, persistent in snake order (the launcher's deal needs the lengths on the host):
@@ -602,17 +606,20 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
         if not wide and shortest >= 4096:
             return dict(base, gluon_consumers=3, gluon_persistent=int(shortest < 16384))
         return dict(base, gluon_across_tiles=1) if shortest < 4096 and not problem.has_alibi else base
-    # below 4k keys, where every row sees a key and without ALiBi, each tile starts under the last one's P V
+    # below 4k keys, where every row sees a key and without ALiBi, each tile starts under the last one's P V, and
+    # where the causal diagonal is offset by whole blocks the first consumer takes its last block on its first half
     across = (problem.seqlen_k < 4096 and not problem.has_alibi
               and problem.diagonal_offset + problem.window_right >= 0)
+    half = dict(gluon_half_diagonal=1) if across and problem.window_right == 0 and \
+        problem.diagonal_offset % 128 == 0 else {}
     if wide:
-        return dict(base, gluon_balanced=1, gluon_across_tiles=1, gluon_pingpong=1) if across else \
+        return dict(base, gluon_balanced=1, gluon_across_tiles=1, gluon_pingpong=1, **half) if across else \
             dict(base, gluon_balanced=1)
     if problem.seqlen_k >= 16384:
         return dict(base, gluon_consumers=3, gluon_overlap=0, gluon_persistent=0)
     if problem.seqlen_k >= 4096:
         return dict(base, gluon_balanced=1)
-    return dict(base, gluon_balanced=1, gluon_across_tiles=1) if across else {}
+    return dict(base, gluon_balanced=1, gluon_across_tiles=1, **half) if across else {}
 
 
 def decode_forward_unserved_reason(problem: AttentionProblem) -> str:
