@@ -69,7 +69,7 @@ class Preset:
     batch_size: int
     steps: int
     lr: float
-    dropout: float  # on the embeddings and each residual branch (attention itself has none: flashtile has no dropout)
+    dropout: float  # on the embeddings and each residual branch (none in attention: both attentions run without it)
     eval_every: int  # steps between evaluations (and the last step)
     eval_batches: int  # batches averaged per split and evaluation
     sample_chars: int
