@@ -44,6 +44,18 @@ CASES = {
     "causal-zigzag": ((2, 4), "zigzag", True, 2, 2, HEADDIM),
     "gqa-causal-zigzag": ((2,), "zigzag", True, 2, 1, 8),
     "gqa-full": ((4,), "contiguous", False, 2, 1, HEADDIM),
+    # windows and ALiBi over global positions (OPTIONS): reaching into neighbouring shards, both sides, both layouts
+    "window-causal-zigzag": ((2, 4), "zigzag", True, 2, 2, HEADDIM),
+    "window-two-sided-contiguous": ((2, 4), "contiguous", False, 2, 2, HEADDIM),
+    "alibi-gqa-causal-contiguous": ((2,), "contiguous", True, 2, 1, HEADDIM),
+    "alibi-window-zigzag": ((4,), "zigzag", False, 2, 2, 8),
+}
+# the cases' other flash_attn_func arguments, passed alike to the ring and to the single-process attention
+OPTIONS = {
+    "window-causal-zigzag": dict(window_size=(5, 0)),
+    "window-two-sided-contiguous": dict(window_size=(3, 9)),
+    "alibi-gqa-causal-contiguous": dict(alibi_slopes=torch.tensor([0.5, 0.125])),
+    "alibi-window-zigzag": dict(window_size=(6, 2), alibi_slopes=torch.tensor([0.25, 1.0])),
 }
 BAD_CASES = ("uneven-seqlen", "q-k-mismatch-on-one-rank", "zigzag-odd-seqlen")
 
@@ -96,7 +108,8 @@ def _run_case(name, rank, world, counter, group=None):
     q, k, v, grad_out, grad_lse = (t.float() for t in _full_inputs(name, world))
     q, k, v = (shard(t, rank, world).requires_grad_() for t in (q, k, v))
     counter.take()
-    out, lse = ring_flash_attn_func(q, k, v, group=group, causal=causal, layout=layout, return_lse=True)
+    out, lse = ring_flash_attn_func(q, k, v, group=group, causal=causal, layout=layout, return_lse=True,
+                                    **OPTIONS.get(name, {}))
     forward_counts = counter.take()
     loss = (out * shard(grad_out, rank, world)).sum() + (lse * shard(grad_lse, rank, world, dim=2)).sum()
     loss.backward()
@@ -260,11 +273,12 @@ def _check_against_oracle(name, world, layout, causal, shards):
            for key in ("out", "lse", "dq", "dk", "dv")}
     q, k, v, grad_out, grad_lse = _full_inputs(name, world)
     inputs64 = [t.clone().requires_grad_() for t in (q, k, v)]
-    want_out, want_lse = flash_attn_reference(*inputs64, causal=causal)
+    options = OPTIONS.get(name, {})
+    want_out, want_lse = flash_attn_reference(*inputs64, causal=causal, **options)
     want = _with_gradients(want_out, want_lse, grad_out, grad_lse, inputs64)
     inputs32 = [t.float().requires_grad_() for t in (q, k, v)]
     with flashtile.use_backend("torch"):
-        eager_out, eager_lse = flashtile.flash_attn_func(*inputs32, causal=causal, return_lse=True)
+        eager_out, eager_lse = flashtile.flash_attn_func(*inputs32, causal=causal, return_lse=True, **options)
     eager = _with_gradients(eager_out, eager_lse, grad_out.float(), grad_lse.float(), inputs32)
     _assert_ring_follows_the_rule(name, world, got, want, eager)
 
@@ -393,15 +407,18 @@ def test_unsupported_arguments_are_refused_before_communicating():
     q = torch.randn(1, 4, 2, 16)
     with pytest.raises(ValueError, match="layout"):
         ring_flash_attn_func(q, q, q, layout="striped")
-    with pytest.raises(NotImplementedError, match="window"):
-        ring_flash_attn_func(q, q, q, window_size=(2, 0))
-    with pytest.raises(NotImplementedError, match="alibi"):
-        ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+    # flash_attn_func's own rules on the window and the slopes, on the local shards
+    with pytest.raises(ValueError, match="window_size"):
+        ring_flash_attn_func(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(3))
     packed, cu = torch.randn(4, 2, 16), torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="layout"):
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, layout="striped")
     with pytest.raises(NotImplementedError, match="window"):
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, window_size=(2, 0))
+    with pytest.raises(NotImplementedError, match="alibi"):
+        ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, alibi_slopes=torch.ones(2))
     with pytest.raises(TypeError, match="max_seqlen"):
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 4.0)
 

@@ -205,6 +205,8 @@ def test_the_table_halves_the_last_block_below_4k_causal_keys_where_the_offset_i
     diagonal's offset is a multiple of 128, and only where the setting serves the call (never a turned-away call
     that would leave the Gluon forward)."""
     _on_a_hopper(monkeypatch)
+    # the table takes it under the Triton releases measured (configs.HALF_DIAGONAL_TABLE_TRITON); this one, here
+    monkeypatch.setattr(configs, "HALF_DIAGONAL_TABLE_TRITON", (configs._triton_version(),))
 
     def half(seqlen_q, seqlen_k, causal):
         problem = dataclasses.replace(problem_for(seqlen_q, seqlen_k, headdim, headdim, torch.bfloat16, causal),
@@ -218,6 +220,8 @@ def test_the_table_halves_the_last_block_below_4k_causal_keys_where_the_offset_i
     assert not half(1000, 1001, True) and not half(1024, 1000, True)  # offsets 1 and -24
     assert not half(4096, 4096, True) and not half(16384, 16384, True)
     assert not any(half(n, n, False) for n in (1024, 4096, 16384))
+    monkeypatch.setattr(configs, "HALF_DIAGONAL_TABLE_TRITON", ())
+    assert not half(1024, 1024, True), "taken under a Triton release it was not measured with"
 
 
 @pytest.mark.parametrize("headdim", (64, 128))

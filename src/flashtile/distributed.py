@@ -33,16 +33,25 @@ sequence packed one after another in sequence order, and `cu_seqlens` gives the 
 `contiguous_shard_varlen` / `zigzag_shard_varlen` and their `_unshard_` inverses convert packed tensors.
 Dense and varlen calls share one ring (forward and backward); they differ only in how a step's pieces select
 rows and call the attention kernel (`_DensePlan`, `_VarlenPlan`).
+
+Sliding windows and ALiBi (dense calls) depend on global positions: there a step's pieces are pairs of chunks (one
+per rank in the contiguous layout, two in the zigzag one), each attended with the diagonal offset of its global
+positions (the query chunk's first position minus the key chunk's), and a pair that the window leaves empty is
+skipped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _dispatch
+from ._validate import prepare_flash_attn
+from .autograd import attention
 from .interface import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["LAYOUTS", "contiguous_shard", "contiguous_shard_varlen", "contiguous_unshard", "contiguous_unshard_varlen",
@@ -231,9 +240,11 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Process
         group: the process group whose ranks form the ring, in rank order; None: the default group.
         causal: causal attention over the global sequence (query at global position i sees keys j <= i).
         softmax_scale: multiplier of q.k; None means 1 / sqrt(headdim).
-        window_size: only (-1, -1) (no window) is supported.
+        window_size: (left, right) over global positions, as in flash_attn_func (-1: unbounded); with causal the
+            right side is 0.
         softcap: as in flash_attn_func (position-independent, so exact here).
-        alibi_slopes: only None is supported.
+        alibi_slopes: (nheads,) or (batch, nheads) float32, as in flash_attn_func: -slope * |i - j| over global
+            positions.
         return_lse: also return the log-sum-exp of each local query row over all keys.
         layout: "contiguous" or "zigzag" (see the module docstring); only causal attention depends on it.
 
@@ -246,14 +257,19 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Process
         ValueError on every rank, before any point-to-point transfer, when the ranks' shards differ in shape or
         dtype, when a rank's q, k, v disagree on batch or seqlen_local, or when layout is "zigzag" and
         seqlen_local is odd (the shapes are checked collectively by one all_gather, so no rank waits for a rank
-        that raised); ValueError for an unknown layout; NotImplementedError for a window or ALiBi slopes
-        (position-dependent masks and biases need each step's global offsets, which flash_attn_func cannot take).
-        Errors of flash_attn_func's own validation (head counts, dtypes) are raised identically on every rank.
+        that raised); ValueError for an unknown layout. Errors of flash_attn_func's own validation (head counts,
+        dtypes, window sides, the slopes' shape) are raised identically on every rank, before any transfer.
     """
-    _check_arguments("ring_flash_attn_func", layout, window_size, alibi_slopes)
+    _check_arguments("ring_flash_attn_func", layout)
+    window = _window(window_size, causal)
+    # flash_attn_func's own rules on these arguments, on the local shards: every rank raises alike, before sending
+    prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=window,
+                       softcap=softcap, alibi_slopes=alibi_slopes, deterministic=False, return_attn_probs=False,
+                       return_lse=True)
     ring = _Ring(group)
     _check_shapes_collectively(q, k, v, ring, layout)
-    plan = _DensePlan(layout, causal, _scale(softmax_scale, q), float(softcap), q.shape[1])
+    plan = _DensePlan(layout, causal, _scale(softmax_scale, q), float(softcap), q.shape[1], window, alibi_slopes,
+                      ring.world)
     out, lse = _RingAttention.apply(q, k, v, ring, plan)
     return (out, lse) if return_lse else out
 
@@ -302,9 +318,15 @@ def ring_flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Ten
         ranks' tensors differ in shape or dtype; when cu_seqlens is not int32 and 1-D, differs between ranks,
         does not start at 0, decreases, or does not end at total_local; when layout is "zigzag" and a local
         shard's length is odd. TypeError/ValueError for a max_seqlen that is not an int >= 0; ValueError for an
-        unknown layout; NotImplementedError for a window or ALiBi slopes, as in ring_flash_attn_func.
+        unknown layout; NotImplementedError for a window or ALiBi slopes (the dense ring_flash_attn_func takes
+        them; packed shards would need each sequence's global offsets per step).
     """
-    _check_arguments("ring_flash_attn_varlen_func", layout, window_size, alibi_slopes)
+    _check_arguments("ring_flash_attn_varlen_func", layout)
+    if tuple(int(w) for w in window_size) != (-1, -1):
+        raise NotImplementedError(f"ring_flash_attn_varlen_func supports no sliding window yet "
+                                  f"(window_size={tuple(window_size)}); pass (-1, -1)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("ring_flash_attn_varlen_func does not take alibi_slopes yet; pass None")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"max_seqlen must be an int, got {max_seqlen!r} ({type(max_seqlen).__name__})")
     if max_seqlen < 0:
@@ -316,15 +338,19 @@ def ring_flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Ten
     return (out, lse) if return_lse else out
 
 
-def _check_arguments(function: str, layout, window_size, alibi_slopes) -> None:
+def _check_arguments(function: str, layout) -> None:
     """The arguments every rank passes alike: refused before any communication."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if tuple(int(w) for w in window_size) != (-1, -1):
-        raise NotImplementedError(f"{function} supports no sliding window yet "
-                                  f"(window_size={tuple(window_size)}); pass (-1, -1)")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{function} does not take alibi_slopes yet; pass None")
+        raise ValueError(f"{function}: layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _window(window_size, causal: bool) -> tuple[int, int]:
+    """window_size as flash_attn_func reads it, with causal's right side of 0 (its other rules are
+    flash_attn_func's, checked on the shards)."""
+    if isinstance(window_size, Tensor):
+        window_size = tuple(window_size.tolist())
+    left, right = window_size
+    return left, 0 if causal else right
 
 
 def _scale(softmax_scale: float | None, q: Tensor) -> float:
@@ -469,18 +495,61 @@ def _pieces(layout: str, causal: bool, rank: int, src: int) -> list[tuple[str, s
 
 
 class _DensePlan:
-    """Pieces of (batch, seqlen_local, heads, d) shards: halves are slices of the sequence dim."""
+    """Pieces of (batch, seqlen_local, heads, d) shards: halves are slices of the sequence dim.
+
+    Without a window or ALiBi a piece is (query rows, key rows, causal) as _pieces gives it; with them (`banded`) it
+    is (query rows, key rows, the diagonal offset of their global positions), see _banded_pieces."""
 
     token_dim = 1
 
-    def __init__(self, layout, causal, scale, softcap, seqlen):
+    def __init__(self, layout, causal, scale, softcap, seqlen, window=(-1, -1), alibi_slopes=None, world=1):
         self.layout, self.causal, self.scale, self.softcap = layout, causal, scale, softcap
+        self.window, self.alibi_slopes, self.world, self.seqlen = window, alibi_slopes, world, seqlen
+        self.banded = window != (-1, -1) or alibi_slopes is not None
         half = seqlen // 2
         self.rows = {"all": slice(None), "first": slice(0, half), "second": slice(half, None)}
 
-    def attend(self, q, k, v, q_part: str, k_part: str, causal: bool) -> tuple[Tensor, Tensor]:
-        return flash_attn_func(q, k, v, softmax_scale=self.scale, causal=causal, softcap=self.softcap,
-                               return_lse=True)
+    def pieces(self, rank: int, src: int) -> list[tuple]:
+        if self.banded:
+            return _banded_pieces(self.layout, self.seqlen, self.world, self.window, rank, src)
+        return _pieces(self.layout, self.causal, rank, src)
+
+    def attend(self, q, k, v, q_part: str, k_part: str, piece) -> tuple[Tensor, Tensor]:
+        if not self.banded:
+            return flash_attn_func(q, k, v, softmax_scale=self.scale, causal=piece, softcap=self.softcap,
+                                   return_lse=True)
+        # the window and ALiBi at the pair's global diagonal offset `piece` (query row i and key column j of the
+        # pair are global positions q0 + i and k0 + j, piece = q0 - k0): flash_attn_func's problem with that offset
+        call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=self.scale, causal=False,
+                                  window_size=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
+                                  deterministic=False, return_attn_probs=False, return_lse=True)
+        problem = dataclasses.replace(call.problem, diagonal_offset=piece)
+        return attention(dataclasses.replace(call, problem=problem), *_dispatch.resolve(problem))
+
+
+def _banded_pieces(layout: str, seqlen: int, world: int, window: tuple[int, int], rank: int,
+                   src: int) -> list[tuple[str, str, int]]:
+    """What the local queries attend of the shard of rank `src` under a window (or ALiBi): (query rows, key rows,
+    diagonal offset) for each pair of chunks, one chunk per rank (contiguous) or two (zigzag: chunks r and
+    2W - 1 - r of seqlen_local / 2 rows), whose global positions the band (left, right; -1 unbounded) connects."""
+    if layout == "contiguous":
+        size = seqlen
+        pairs = [("all", "all", rank, src)]
+    else:
+        size = seqlen // 2
+        own, visiting = (rank, 2 * world - 1 - rank), (src, 2 * world - 1 - src)
+        pairs = [(q_part, k_part, own[a], visiting[b]) for a, q_part in enumerate(("first", "second"))
+                 for b, k_part in enumerate(("first", "second"))]
+    left, right = window
+    pieces = []
+    for q_part, k_part, q_chunk, k_chunk in pairs:
+        offset = (q_chunk - k_chunk) * size
+        # key j - query i over the pair spans -(size - 1) .. size - 1; the band keeps offset - left .. offset + right
+        low = -(size - 1) if left < 0 else max(-(size - 1), offset - left)
+        high = size - 1 if right < 0 else min(size - 1, offset + right)
+        if low <= high:
+            pieces.append((q_part, k_part, offset))
+    return pieces
 
 
 class _VarlenPlan:
@@ -501,6 +570,9 @@ class _VarlenPlan:
             sequence = torch.searchsorted(cu64[1:], position, right=True)
             in_first = (position - cu64[sequence]) < (cu64[sequence + 1] - cu64[sequence]) // 2
             self.rows["first"], self.rows["second"] = position[in_first], position[~in_first]
+
+    def pieces(self, rank: int, src: int) -> list[tuple[str, str, bool]]:
+        return _pieces(self.layout, self.causal, rank, src)
 
     def attend(self, q, k, v, q_part: str, k_part: str, causal: bool) -> tuple[Tensor, Tensor]:
         return flash_attn_varlen_func(q, k, v, self.cu[q_part], self.cu[k_part], self.max[q_part],
@@ -557,10 +629,10 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.world - 1:
                 pending = ring.exchange([k_cur, v_cur], _KV_TAG)   # the next shard travels while this one is attended
             src = (ring.rank - step) % ring.world
-            for q_part, k_part, piece_causal in _pieces(plan.layout, plan.causal, ring.rank, src):
+            for q_part, k_part, piece in plan.pieces(ring.rank, src):
                 rows, keys = plan.rows[q_part], plan.rows[k_part]
                 part_out, part_lse = plan.attend(_take(q_det, td, rows), _take(k_cur, td, keys),
-                                                 _take(v_cur, td, keys), q_part, k_part, piece_causal)
+                                                 _take(v_cur, td, keys), q_part, k_part, piece)
                 _merge(out, lse, rows, td, part_out, part_lse)
             if pending is not None:
                 (k_cur, v_cur), requests = pending
@@ -622,13 +694,13 @@ def _partial_gradients(q, k_vis, v_vis, lse, grad_out, grad_lse, d_out_dot, dq, 
     td = plan.token_dim
     dk = torch.zeros_like(k_vis, dtype=torch.float32)
     dv = torch.zeros_like(v_vis, dtype=torch.float32)
-    for q_part, k_part, piece_causal in _pieces(plan.layout, plan.causal, rank, src):
+    for q_part, k_part, piece in plan.pieces(rank, src):
         rows, keys = plan.rows[q_part], plan.rows[k_part]
         with torch.enable_grad():
             q_in = _take(q.detach(), td, rows).detach().requires_grad_()
             k_in = _take(k_vis, td, keys).detach().requires_grad_()
             v_in = _take(v_vis, td, keys).detach().requires_grad_()
-            part_out, part_lse = plan.attend(q_in, k_in, v_in, q_part, k_part, piece_causal)
+            part_out, part_lse = plan.attend(q_in, k_in, v_in, q_part, k_part, piece)
             total = _take(lse, -1, rows)
             finite = total > float("-inf")
             weight = torch.exp(part_lse.detach() - torch.where(finite, total, 0.0)).masked_fill(~finite, 0.0)

@@ -95,6 +95,10 @@ GLUON_WIDTHS = (64, 128, 256)  # padded q/k and v head widths the Gluon forward 
 # Gluon is an experimental API that moves between Triton releases: the releases whose names gluon_compat.py maps
 # and whose compile CI checks (tests/test_gluon_compile.py; 3.6.0 is also the H200's, where it runs)
 GLUON_TRITON_VERSIONS = ("3.6.0", "3.9.0")
+# the releases under which the table takes gluon_half_diagonal: measured faster on the H200 under 3.6.0, where ptxas
+# keeps its wgmma in flight; under 3.9.0 ptxas serialises the wgmma of that variant with each tile started under the
+# last (tests/test_gluon_compile.py), so the table leaves it off there
+HALF_DIAGONAL_TABLE_TRITON = ("3.6.0",)
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
 
 
@@ -128,6 +132,12 @@ def gluon_shared_bytes(problem: AttentionProblem, tile: GluonTile) -> int:
     """Shared memory of the Gluon forward: the consumers' query rows and output staging (one buffer for both where
     gluon_shares_qo), the K/V ring, barriers."""
     return _gluon_bytes(problem, tile, gluon_shares_qo(problem, tile))
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def _gluon_platform_reason(p: AttentionProblem) -> str:
@@ -583,7 +593,7 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     - there, where the causal diagonal's offset is a multiple of 128 keys (seqlen_q == seqlen_k among them), the
       first consumer's last block on its first half (gluon_half_diagonal; raw/2026-12-03-h200-gluon-forward-half-
       diagonal-static.txt): d = 64 1k 318.2 -> 325.8 / 325.1 (cuDNN 336.7 / 335.2 / 332.6), d = 128 1k with pingpong
-      425.4 -> 442.8 (cuDNN 428.2 / 413.8).
+      425.4 -> 442.8 (cuDNN 428.2 / 413.8). Under triton 3.6 only (HALF_DIAGONAL_TABLE_TRITON).
     - a left window edge: not measured, the Triton forward stays.
     - packed batches (22 sequences of 64..4,096 tokens, 16,682 in all, raw/2026-12-02-h200-gluon-forward-packed.jsonl):
       d = 128 two consumers, overlap, persistent in snake order (the launcher's deal needs the lengths on the host):
@@ -610,8 +620,8 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     # where the causal diagonal is offset by whole blocks the first consumer takes its last block on its first half
     across = (problem.seqlen_k < 4096 and not problem.has_alibi
               and problem.diagonal_offset + problem.window_right >= 0)
-    half = dict(gluon_half_diagonal=1) if across and problem.window_right == 0 and \
-        problem.diagonal_offset % 128 == 0 else {}
+    half = dict(gluon_half_diagonal=1) if (across and problem.window_right == 0 and problem.diagonal_offset % 128 == 0
+                                           and _triton_version() in HALF_DIAGONAL_TABLE_TRITON) else {}
     if wide:
         return dict(base, gluon_balanced=1, gluon_across_tiles=1, gluon_pingpong=1, **half) if across else \
             dict(base, gluon_balanced=1)
