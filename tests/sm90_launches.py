@@ -56,16 +56,20 @@ def recorded_launches():
     """Replace the launchers' launch with a recorder (and let TMA descriptors be built over CPU tensors, as the
     sm_90 table would use them on a GPU); yields the list of RecordedLaunch."""
     recorded: list[RecordedLaunch] = []
-    saved = launchers.launch, launchers.interpreting
+    saved = launchers.launch, launchers.interpreting, launchers.launch_fixed
 
     def record(kernel, grid, tensors, scalars, **options):
         recorded.append(RecordedLaunch(kernel, tuple(grid), (*tensors, *scalars), options))
 
-    launchers.launch, launchers.interpreting = record, lambda: True  # interpreting: _tma_ready skips the device
+    def record_fixed(fixed, grid, tensors):
+        recorded.append(RecordedLaunch(fixed.kernel, tuple(grid), (*tensors, *fixed.scalars), fixed.options))
+
+    # interpreting: _tma_ready skips the device; launch_fixed: the decode kernels' launches (forward schedule 5)
+    launchers.launch, launchers.interpreting, launchers.launch_fixed = record, lambda: True, record_fixed
     try:
         yield recorded
     finally:
-        launchers.launch, launchers.interpreting = saved
+        launchers.launch, launchers.interpreting, launchers.launch_fixed = saved
 
 
 def problem_for(seqlen_q: int, seqlen_k: int, headdim: int, headdim_v: int, dtype: torch.dtype, causal: bool,

@@ -16,13 +16,21 @@ from sm90_launches import launches_of, problem_for
 BATCH, NHEADS = 4096, 32  # batch x nheads = 131,072
 
 
+@pytest.mark.parametrize("forward", ("decode kernels", "prefill kernels"))
 @pytest.mark.parametrize("headdim, causal", [(64, True), (64, False), (128, True), (128, False), (256, False)])
-def test_forward_and_backward_grids_cover_every_program_along_axis_0(headdim, causal):
+def test_forward_and_backward_grids_cover_every_program_along_axis_0(monkeypatch, headdim, causal, forward):
     """The table's sm_90 launches (forward, one- or two-launch backward) of a problem with 131,072 (batch, head)
-    pairs: one-axis grids of (programs per (batch, head)) x batch x heads programs."""
+    pairs: grids of (programs per (batch, head)) x batch x heads programs along axis 0. Its 5 query rows take the
+    decode kernels' forward (configs.decode_forward); with that rule off, the prefill forward's."""
+    from flashtile.triton import configs
+
+    if forward == "prefill kernels":
+        monkeypatch.setattr(configs, "DECODE_FORWARD_ROWS", 0)
     problem = problem_for(5, 9, headdim, headdim, torch.float16, causal, batch=BATCH, nheads=NHEADS)
     recorded = launches_of(problem)
-    assert recorded and all(len(r.grid) == 1 for r in recorded), [(r.name, r.grid) for r in recorded]
+    names = [r.name for r in recorded]
+    assert ("attention_decode_kernel" in names) == (forward == "decode kernels"), names
+    assert recorded and all(set(r.grid[1:]) <= {1} for r in recorded), [(r.name, r.grid) for r in recorded]
     for r in recorded:
         assert r.grid[0] >= BATCH * NHEADS and r.grid[0] % BATCH == 0, (r.name, r.grid)
 
