@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import flashtile
-from flashtile._validate import AttentionProblem
 from flashtile.errors import BackendUnavailableError
 from flashtile.reference import flash_attn_reference
 from flashtile.triton import configs
 
 from conftest import DEVICE, assert_attention_follows_the_eager_rule, random_qkv, skip_unsupported
+from sm90_launches import problem_for
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, headdim_v), options: one decode row per sequence with GQA,
 # a few rows with a window, softcap with ALiBi and a sink, dv != d, and more rows than the keys (masked rows)
@@ -31,12 +31,10 @@ CASES = {
 }
 
 
-def _problem(seqlen_q=1, nheads=32, nheads_k=8, **changes):
-    base = AttentionProblem(batch=1, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=600, headdim=64,
-                            headdim_v=64, dtype=torch.bfloat16, device=torch.device("cpu"), softmax_scale=0.125,
-                            window_left=-1, window_right=0, diagonal_offset=600 - seqlen_q, alignment="bottom-right",
-                            softcap=0.0, has_alibi=False, mask_kind=None)
-    return dataclasses.replace(base, **changes)
+def _problem(seqlen_q=1, **changes):
+    """A bf16 decode-shaped problem (32 query heads on 8 K/V heads, d = 64, 600 keys, causal) with `changes`."""
+    return dataclasses.replace(problem_for(seqlen_q, 600, 64, 64, torch.bfloat16, True, nheads=32, nheads_k=8),
+                               **changes)
 
 
 def test_the_table_takes_the_decode_kernels_for_a_few_rows_per_kv_head_on_sm90():
