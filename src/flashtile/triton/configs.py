@@ -652,7 +652,7 @@ def decode_forward(problem: AttentionProblem, hopper: bool) -> bool:
     (decode_forward_unserved_reason) of at most DECODE_FORWARD_ROWS query rows per K/V head, such as a decode step
     through flash_attn_func (transformers' generate calls it so). There the Gluon forward fills a 128-row tile per
     query head, while the decode kernel reads each K/V head once for its whole GQA group and splits long key ranges
-    over the SMs: 0.10-0.89x the Gluon forward's kernel time in nine such cells on the H200, 1 to 64 rows per K/V
+    over the SMs: 0.10-0.89x the Gluon forward's kernel time in nine such cells on the H200, 4 to 64 rows per K/V
     head, 600 to 32k keys (raw/2026-12-03-h200-decode-forward.jsonl, benchmarks/decode_forward.py)."""
     return (hopper and problem.seqlen_q * problem.group_size <= DECODE_FORWARD_ROWS
             and not decode_forward_unserved_reason(problem))
