@@ -21,9 +21,9 @@ float32 merge and the recomputation in the backward); with W ranks, ideal work s
 
 Defaults: batch 1, 16 heads (--kv-heads for GQA), d = 128, bf16 on CUDA (float32 on CPU), seqlen_local 4096,
 16384 and 65536, causal and not, contiguous and zigzag, modes fwd and fwd_bwd, 3 warm-up calls and 10 timed ones.
-The timing uses CUDA events around each call with the same number of calls on every rank (triton's do_bench
-picks its repetition count from its own timings, which can differ between ranks and then leave a rank waiting
-in the ring forever).
+The timing uses CUDA events around each of the calls, run back to back and synchronised once at the end (as
+triton's do_bench times them), with the same number of calls on every rank (do_bench picks its repetition count
+from its own timings, which can differ between ranks and then leave a rank waiting in the ring forever).
 """
 
 from __future__ import annotations
@@ -108,19 +108,24 @@ def init_group(device: str) -> bool:
 
 
 def _median_ms(fn, warmup: int, reps: int, device: str) -> float:
-    """The median time of `reps` calls of fn after `warmup` calls, in ms, the largest over the ranks."""
+    """The median time of `reps` calls of fn after `warmup` calls, in ms, the largest over the ranks. On CUDA the
+    calls run back to back, each between two events, with one synchronisation at the end (as triton's do_bench
+    times): a call's host work overlaps the GPU work queued before it, as in a training loop, so a GPU-bound call
+    reads its GPU time and a host-bound one its host time."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
             start.record()
             fn()
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        times = []
+        for _ in range(reps):
             begin = time.perf_counter()
             fn()
             times.append(1e3 * (time.perf_counter() - begin))

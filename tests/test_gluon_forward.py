@@ -52,6 +52,20 @@ def test_the_sm90_table_picks_the_measured_gluon_settings_per_cell(cell, setting
                                          tiles.gluon_tile) == ""
 
 
+@pytest.mark.parametrize("offset, half", [(0, 1), (128, 0), (1024, 0), (2048, 0)])
+def test_the_table_halves_the_last_block_only_where_the_diagonal_crosses_every_tile(offset, half, monkeypatch):
+    """Ring attention attends pairs of 1k chunks at their global diagonal offset: a chunk of keys wholly before the
+    queries (offset 1024 or more) leaves each tile's last block whole to both consumers, so the table's half block,
+    taken under triton 3.6 at 1k causal, stays off there."""
+    monkeypatch.setattr(configs, "_triton_version", lambda: "3.6.0")
+    problem = dataclasses.replace(problem_for(1024, 1024, 64, 64, torch.bfloat16, True), diagonal_offset=offset)
+    tiles = configs.default_tiles(problem, HOPPER)
+    assert (tiles.forward_schedule, tiles.gluon_half_diagonal) == (3, half)
+    _on_a_hopper(monkeypatch)
+    assert configs.gluon_unserved_reason(dataclasses.replace(problem, device=torch.device("cuda")),
+                                         tiles.gluon_tile) == ""
+
+
 @pytest.mark.parametrize("change", [
     dict(window_left=100, window_right=0),  # a left window edge: not measured
     dict(varlen=True, headdim=64, headdim_v=64),  # packed d = 64: the Triton forward measured faster
@@ -145,6 +159,11 @@ def _offset(n):
     return f"{HALF} needs seqlen_k - seqlen_q (the diagonal's offset) to be a multiple of 128, got {n}"
 
 
+def _past(offset, seqlen_q, seqlen_k):
+    return (f"{HALF} needs the diagonal to cross every tile's keys (diagonal offset + the last tile's first row < "
+            f"seqlen_k), got offset {offset} with {seqlen_q} query rows and {seqlen_k} keys")
+
+
 @pytest.mark.parametrize("tile, shape, change, reason", [
     # exact: the band closes at the diagonal, offset by a multiple of 128 either way (a left window edge too)
     (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(), ""),
@@ -159,6 +178,11 @@ def _offset(n):
     (configs.GluonTile(half_diagonal=True, balanced=True, across_tiles=True), (1000, 1001, 64), dict(), _offset(1)),
     (configs.GluonTile(half_diagonal=True), (1024, 1000, 128), dict(), _offset(-24)),
     (configs.GluonTile(half_diagonal=True), (256, 448, 128), dict(), _offset(192)),
+    # a diagonal past the last key (ring attention's pairs of chunks): a tile's last block is whole to both consumers
+    (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(diagonal_offset=1024), _past(1024, 1024, 1024)),
+    (configs.GluonTile(half_diagonal=True, balanced=True, across_tiles=True), (1000, 1000, 64),
+     dict(diagonal_offset=128), _past(128, 1000, 1000)),
+    (configs.GluonTile(half_diagonal=True), (1000, 1000, 64), dict(diagonal_offset=-128), ""),
     # a band that does not close at the diagonal
     (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(window_right=20), CLOSES_AT_THE_DIAGONAL),
     (configs.GluonTile(half_diagonal=True), (1024, 1024, 128), dict(window_right=-1), CLOSES_AT_THE_DIAGONAL),

@@ -247,6 +247,40 @@ def test_gluon_half_diagonal_serves_whole_block_offsets_and_turns_the_rest_away(
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.bfloat16, seed)
 
 
+# Ring attention attends pairs of chunks at their global diagonal offset (flashtile.distributed): a causal band whose
+# diagonal lies past the last key (every key seen) or inside the keys, at 1k causal where the table (triton 3.6)
+# halves the first consumer's last block wherever the diagonal crosses every tile; the table's choice and the half
+# block forced on, which turns the offsets past the keys away
+@pytest.mark.parametrize("offset", (0, 128, 1024, 2048))
+@pytest.mark.parametrize("settings", ({}, dict(forward_schedule=3, gluon_half_diagonal=1, gluon_balanced=1,
+                                               gluon_across_tiles=1)), ids=("table", "half-diagonal-forced"))
+def test_gluon_forward_at_a_diagonal_offset_past_the_keys(offset, settings, seed):
+    import dataclasses
+
+    from flashtile._dispatch import BACKENDS, resolve
+    from flashtile._validate import prepare_flash_attn
+    from flashtile.autograd import attention
+    from flashtile.reference import attention_reference
+    from flashtile.triton import configs
+
+    q, k, v = random_qkv(4, 1024, 1024, 8, 8, 64, 64, torch.bfloat16)
+    call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, 0),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              return_lse=True)
+    call = dataclasses.replace(call, problem=dataclasses.replace(call.problem, diagonal_offset=offset))
+    with flashtile.use_backend("triton", **settings):
+        backend, tiles = resolve(call.problem)
+        out, lse = attention(call, backend, tiles)
+    described = BACKENDS[backend].tiles_from_list(tiles).describe(call.problem)
+    half = "each tile's last block computed on its first half by the first consumer" in described
+    assert half == (offset == 0 and (bool(settings) or configs._triton_version() == "3.6.0")), described
+    (ref_out, ref_lse), (eager_out, eager_lse) = (
+        attention_reference(*(t.transpose(1, 2) for t in (q, k, v)), window_size=(-1, 0), diagonal_offset=offset,
+                            dtype=dtype) for dtype in (torch.float64, torch.bfloat16))
+    assert_close_to_oracle("out", out, ref_out.transpose(1, 2), eager_out.transpose(1, 2), torch.bfloat16, seed)
+    assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.bfloat16, seed)
+
+
 # The Gluon dK/dV kernel (backward schedule 4, opt-in) on the edges of its schedule: ragged key blocks and query
 # blocks, one key, one query, rows that see no key (causal with seqlen_q > seqlen_k), GQA 4:1 and MQA, dv != d with
 # padded widths, a window, both query-block sizes (64 rows at d = 64, 32 at 128), without and with the

@@ -50,9 +50,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _dispatch
-from ._validate import prepare_flash_attn
+from ._validate import PreparedCall, prepare_flash_attn, prepare_flash_attn_varlen, unit_last_stride
 from .autograd import attention
-from .interface import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["LAYOUTS", "contiguous_shard", "contiguous_shard_varlen", "contiguous_unshard", "contiguous_unshard_varlen",
            "ring_flash_attn_func", "ring_flash_attn_varlen_func", "shard_cu_seqlens", "zigzag_shard",
@@ -505,7 +504,8 @@ class _DensePlan:
     def __init__(self, layout, causal, scale, softcap, seqlen, window=(-1, -1), alibi_slopes=None, world=1):
         self.layout, self.causal, self.scale, self.softcap = layout, causal, scale, softcap
         self.window, self.alibi_slopes, self.world, self.seqlen = window, alibi_slopes, world, seqlen
-        self.banded = window != (-1, -1) or alibi_slopes is not None
+        # causal attention alone takes _pieces' causal flags: the diagonal step is one causal call over the shard
+        self.banded = alibi_slopes is not None or window != ((-1, 0) if causal else (-1, -1))
         half = seqlen // 2
         self.rows = {"all": slice(None), "first": slice(0, half), "second": slice(half, None)}
 
@@ -514,17 +514,28 @@ class _DensePlan:
             return _banded_pieces(self.layout, self.seqlen, self.world, self.window, rank, src)
         return _pieces(self.layout, self.causal, rank, src)
 
-    def attend(self, q, k, v, q_part: str, k_part: str, piece) -> tuple[Tensor, Tensor]:
+    def prepare(self, q, k, v, q_part: str, k_part: str, piece) -> PreparedCall:
+        """flash_attn_func's validated call of one piece; q, k, v the piece's rows."""
         if not self.banded:
-            return flash_attn_func(q, k, v, softmax_scale=self.scale, causal=piece, softcap=self.softcap,
-                                   return_lse=True)
+            return prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=self.scale, causal=piece,
+                                      window_size=(-1, -1), softcap=self.softcap, alibi_slopes=None,
+                                      deterministic=False, return_attn_probs=False, return_lse=True)
         # the window and ALiBi at the pair's global diagonal offset `piece` (query row i and key column j of the
         # pair are global positions q0 + i and k0 + j, piece = q0 - k0): flash_attn_func's problem with that offset
         call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=self.scale, causal=False,
                                   window_size=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
                                   deterministic=False, return_attn_probs=False, return_lse=True)
-        problem = dataclasses.replace(call.problem, diagonal_offset=piece)
-        return attention(dataclasses.replace(call, problem=problem), *_dispatch.resolve(problem))
+        return dataclasses.replace(call, problem=dataclasses.replace(call.problem, diagonal_offset=piece))
+
+    @staticmethod
+    def ring_layout(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+        """A piece's (out, lse) as the kernels return them, in the ring's layout (the same for dense shards)."""
+        return out, lse
+
+    @staticmethod
+    def kernel_layout(t: Tensor) -> Tensor:
+        """One of the ring's per-row tensors (out, its gradient, lse) as the kernels take it."""
+        return t
 
 
 def _banded_pieces(layout: str, seqlen: int, world: int, window: tuple[int, int], rank: int,
@@ -574,10 +585,22 @@ class _VarlenPlan:
     def pieces(self, rank: int, src: int) -> list[tuple[str, str, bool]]:
         return _pieces(self.layout, self.causal, rank, src)
 
-    def attend(self, q, k, v, q_part: str, k_part: str, causal: bool) -> tuple[Tensor, Tensor]:
-        return flash_attn_varlen_func(q, k, v, self.cu[q_part], self.cu[k_part], self.max[q_part],
-                                      self.max[k_part], softmax_scale=self.scale, causal=causal,
-                                      softcap=self.softcap, return_lse=True)
+    def prepare(self, q, k, v, q_part: str, k_part: str, causal: bool) -> PreparedCall:
+        """flash_attn_varlen_func's validated call of one piece; q, k, v the piece's rows, packed."""
+        return prepare_flash_attn_varlen(q, k, v, self.cu[q_part], self.cu[k_part], self.max[q_part],
+                                         self.max[k_part], dropout_p=0.0, softmax_scale=self.scale, causal=causal,
+                                         window_size=(-1, -1), softcap=self.softcap, alibi_slopes=None,
+                                         deterministic=False, return_attn_probs=False, return_lse=True)
+
+    @staticmethod
+    def ring_layout(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+        """A piece's (out (1, total, ...), lse (1, nheads, total)) in the ring's layout, without the leading 1."""
+        return out.squeeze(0), lse.squeeze(0)
+
+    @staticmethod
+    def kernel_layout(t: Tensor) -> Tensor:
+        """One of the ring's per-row tensors (out, its gradient, lse) as the kernels take it: a leading 1."""
+        return t.unsqueeze(0)
 
 
 def _take(x: Tensor, dim: int, rows: slice | Tensor) -> Tensor:
@@ -598,6 +621,64 @@ def _put(x: Tensor, dim: int, rows: slice | Tensor, value: Tensor, add: bool = F
         x.index_copy_(dim % x.dim(), rows, value)
 
 
+def _every_row(rows) -> bool:
+    return isinstance(rows, slice) and rows == slice(None)
+
+
+class _Rows:
+    """A sum over query (or key) rows of per-piece results: the first result that covers every row is kept as it
+    is (in its dtype: a ring of one rank, or one piece per step, returns the kernel's result untouched); a second
+    one, or one of some rows only, starts a float32 sum."""
+
+    def __init__(self, shape, device, token_dim: int):
+        self.shape, self.device, self.token_dim, self.value = tuple(shape), device, token_dim, None
+
+    def add(self, rows, value: Tensor) -> None:
+        if self.value is None and _every_row(rows):
+            self.value = value
+            return
+        if self.value is None:
+            self.value = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+        elif self.value.dtype != torch.float32:
+            self.value = self.value.float()
+        _put(self.value, self.token_dim, rows, value.float(), add=True)
+
+    def float32(self) -> Tensor:
+        """The sum in float32 (what travels around the ring: every rank's buffers have one dtype)."""
+        if self.value is None:
+            return torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+        return self.value.float()
+
+    def result(self, dtype: torch.dtype) -> Tensor:
+        return self.float32().to(dtype) if self.value is None else self.value.to(dtype)
+
+
+class _Merged:
+    """The ring's output and log-sum-exp, merged piece by piece by the log-sum-exp identity. The first piece that
+    covers every query row is kept as the kernel returned it (out in q's dtype); later pieces merge in float32."""
+
+    def __init__(self, out_shape, lse_shape, device, token_dim: int):
+        self.out_shape, self.lse_shape, self.device, self.token_dim = out_shape, lse_shape, device, token_dim
+        self.out = self.lse = None
+
+    def add(self, rows, part_out: Tensor, part_lse: Tensor) -> None:
+        if self.out is None and _every_row(rows):
+            self.out, self.lse = part_out, part_lse
+            return
+        if self.out is None:
+            self.out = torch.zeros(self.out_shape, dtype=torch.float32, device=self.device)
+            self.lse = torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=self.device)
+        elif self.out.dtype != torch.float32:
+            self.out = self.out.float()
+        _merge(self.out, self.lse, rows, self.token_dim, part_out, part_lse)
+
+    def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self.out is None:   # no piece at all (a rank whose queries see no key): out 0, lse -inf
+            return (torch.zeros(self.out_shape, dtype=dtype, device=self.device),
+                    torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=self.device))
+        return self.out.to(dtype), self.lse
+
+
 def _merge(out: Tensor, lse: Tensor, rows, token_dim: int, part_out: Tensor, part_lse: Tensor) -> None:
     """out, lse (float32, in place) <- on the query rows `rows`, the log-sum-exp merge of themselves with a partial
     result. Rows where both are -inf (no key yet) stay out = 0, lse = -inf. lse's token dim is its last, after the
@@ -612,16 +693,25 @@ def _merge(out: Tensor, lse: Tensor, rows, token_dim: int, part_out: Tensor, par
     _put(lse, -1, rows, new_lse)
 
 
+def _attend(plan, q, k, v, rank: int, src: int):
+    """The pieces of the local queries against the visiting shard of rank `src`: (query rows, key rows, the
+    validated call, its backend and tiles) each, the tensors the pieces' rows of q, k, v."""
+    td = plan.token_dim
+    for q_part, k_part, piece in plan.pieces(rank, src):
+        rows, keys = plan.rows[q_part], plan.rows[k_part]
+        call = plan.prepare(_take(q, td, rows), _take(k, td, keys), _take(v, td, keys), q_part, k_part, piece)
+        yield rows, keys, call, *_dispatch.resolve(call.problem)
+
+
 class _RingAttention(torch.autograd.Function):
     """The ring for dense and packed shards alike; `plan` says what each step attends and how."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring, plan):
+        ctx.set_materialize_grads(False)   # an unused lse (or out) gets no gradient tensor of zeros
         td = plan.token_dim
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
         # lse: (batch, nheads, seqlen) or (nheads, total): the heads before the tokens
-        lse = torch.full((*q.shape[:td], q.shape[td + 1], q.shape[td]), float("-inf"), dtype=torch.float32,
-                         device=q.device)
+        merged = _Merged((*q.shape[:-1], v.shape[-1]), (*q.shape[:td], q.shape[td + 1], q.shape[td]), q.device, td)
         k_cur, v_cur = k.detach(), v.detach()
         q_det = q.detach()
         for step in range(ring.world):
@@ -629,16 +719,13 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.world - 1:
                 pending = ring.exchange([k_cur, v_cur], _KV_TAG)   # the next shard travels while this one is attended
             src = (ring.rank - step) % ring.world
-            for q_part, k_part, piece in plan.pieces(ring.rank, src):
-                rows, keys = plan.rows[q_part], plan.rows[k_part]
-                part_out, part_lse = plan.attend(_take(q_det, td, rows), _take(k_cur, td, keys),
-                                                 _take(v_cur, td, keys), q_part, k_part, piece)
-                _merge(out, lse, rows, td, part_out, part_lse)
+            for rows, _, call, backend, tiles in _attend(plan, q_det, k_cur, v_cur, ring.rank, src):
+                merged.add(rows, *plan.ring_layout(*attention(call, backend, tiles)))
             if pending is not None:
                 (k_cur, v_cur), requests = pending
                 for request in requests:
                     request.wait()
-        out = out.to(q.dtype)
+        out, lse = merged.result(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.plan = ring, plan
         return out, lse
@@ -646,23 +733,24 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
-        grad_out = torch.zeros_like(out, dtype=torch.float32) if grad_out is None else grad_out.float()
-        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
-        # sum over dv of dO * (out_i - out) enters each partial's lse gradient; its out part is shared by all steps
-        d_out_dot = (grad_out * out.float()).sum(-1).transpose(-1, -2)   # lse's shape
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        ring, plan = ctx.ring, ctx.plan
+        td = plan.token_dim
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grad_out = grad_out.to(out.dtype)
+        dq = _Rows(q.shape, q.device, td)
         k_cur, v_cur = k.detach(), v.detach()
         own = None          # this rank's contribution to its own dK, dV
         incoming = None     # (buffers, requests): the accumulator of the next visiting shard, from the previous rank
         for step in range(ring.world):
             pending = ring.exchange([k_cur, v_cur], _KV_TAG) if step < ring.world - 1 else None
             src = (ring.rank - step) % ring.world
-            dk, dv = _partial_gradients(q, k_cur, v_cur, lse, grad_out, grad_lse, d_out_dot, dq, ctx.plan,
-                                        ring.rank, src)
+            dk, dv = _shard_gradients(q.detach(), k_cur, v_cur, out, lse, grad_out, grad_lse, dq, plan, ring.rank,
+                                      src)
             if step == 0:
                 own = (dk, dv)
             else:
+                dk, dv = dk.float32(), dv.float32()
                 if incoming is not None:
                     # the accumulator of shard src holds the ranks src + 1 .. rank - 1 already (waiting on the
                     # batch also completes this rank's previous send; each request is waited on once)
@@ -677,40 +765,39 @@ class _RingAttention(torch.autograd.Function):
                 for request in requests:
                     request.wait()
         dk, dv = own
-        if incoming is not None:
+        if incoming is None:
+            dk, dv = dk.result(k.dtype), dv.result(v.dtype)
+        else:
             (dk_in, dv_in), requests = incoming
             for request in requests:
                 request.wait()
-            dk, dv = dk + dk_in, dv + dv_in
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            dk, dv = (dk.float32() + dk_in).to(k.dtype), (dv.float32() + dv_in).to(v.dtype)
+        return dq.result(q.dtype), dk, dv, None, None
 
 
-def _partial_gradients(q, k_vis, v_vis, lse, grad_out, grad_lse, d_out_dot, dq, plan, rank, src):
-    """Gradients of the merged result through the partial of the visiting shard of rank `src`: adds to dq in place,
-    returns (dK, dV) of that shard in float32.
+def _shard_gradients(q, k_vis, v_vis, out, lse, grad_out, grad_lse, dq: _Rows, plan, rank: int, src: int):
+    """The gradients through the visiting shard of rank `src`: adds to dq, returns its dK and dV sums (_Rows).
 
-    With w = exp(lse_i - lse): out = sum_i w_i out_i gives d out_i = w_i dO and
-    d lse_i = w_i (dlse + sum_d dO (out_i - out)); the partial is recomputed under autograd and differentiated."""
+    Each piece runs the backend's own backward on the piece's rows with the ring's final out and lse: the
+    probabilities exp(S - lse) and delta = rowsum(dO * out) - dlse of the whole sequence are those a single call
+    over it would use, so the piece's gradients are exactly its share of the whole call's (nothing recomputed
+    under autograd, no reweighting)."""
     td = plan.token_dim
-    dk = torch.zeros_like(k_vis, dtype=torch.float32)
-    dv = torch.zeros_like(v_vis, dtype=torch.float32)
-    for q_part, k_part, piece in plan.pieces(rank, src):
-        rows, keys = plan.rows[q_part], plan.rows[k_part]
-        with torch.enable_grad():
-            q_in = _take(q.detach(), td, rows).detach().requires_grad_()
-            k_in = _take(k_vis, td, keys).detach().requires_grad_()
-            v_in = _take(v_vis, td, keys).detach().requires_grad_()
-            part_out, part_lse = plan.attend(q_in, k_in, v_in, q_part, k_part, piece)
-            total = _take(lse, -1, rows)
-            finite = total > float("-inf")
-            weight = torch.exp(part_lse.detach() - torch.where(finite, total, 0.0)).masked_fill(~finite, 0.0)
-            g_rows = _take(grad_out, td, rows)
-            g_out = g_rows * weight.transpose(-1, -2).unsqueeze(-1)
-            part_dot = (g_rows * part_out.detach().float()).sum(-1).transpose(-1, -2)
-            g_lse = weight * (_take(grad_lse, -1, rows) + part_dot - _take(d_out_dot, -1, rows))
-            gq, gk, gv = torch.autograd.grad((part_out, part_lse), (q_in, k_in, v_in),
-                                             (g_out.to(part_out.dtype), g_lse))
-        _put(dq, td, rows, gq.float(), add=True)
-        _put(dk, td, keys, gk.float(), add=True)
-        _put(dv, td, keys, gv.float(), add=True)
+    dk, dv = _Rows(k_vis.shape, k_vis.device, td), _Rows(v_vis.shape, v_vis.device, td)
+    for rows, keys, call, backend, tiles in _attend(plan, q, k_vis, v_vis, rank, src):
+        kernels = _dispatch.BACKENDS[backend]
+
+        def rows_of(t, dim=td):
+            return plan.kernel_layout(_take(t, dim, rows))
+
+        # the kernels read lse (and write delta like it) with the rows contiguous
+        lse_rows = rows_of(lse, -1).contiguous()
+        grad_lse_rows = None if grad_lse is None else rows_of(grad_lse, -1).float().contiguous()
+        gq, gk, gv, _ = kernels.backward(unit_last_stride(rows_of(grad_out)), grad_lse_rows, call.q, call.k, call.v,
+                                         rows_of(out), lse_rows, call.alibi_slopes, None, call.problem,
+                                         kernels.tiles_from_list(tiles), call.cu_seqlens_q, call.cu_seqlens_k)
+        squeeze = (lambda t: t.squeeze(0)) if call.cu_seqlens_q is not None else (lambda t: t)
+        dq.add(rows, squeeze(gq))
+        dk.add(keys, squeeze(gk))
+        dv.add(keys, squeeze(gv))
     return dk, dv

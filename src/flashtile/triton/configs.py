@@ -243,9 +243,11 @@ def _across_tiles_reason(p: AttentionProblem, tile: GluonTile) -> str:
 def _half_diagonal_reason(p: AttentionProblem, tile: GluonTile) -> str:
     """Why the first consumer cannot compute a tile's last block on its first half (gluon_half_diagonal) here ('' where
     it can). The kernel takes it as a compile-time choice for that consumer, exact where the band closes at the
-    diagonal, tiles of 128 rows meet blocks of 128 keys and the diagonal offset is a multiple of 128: then each tile's
-    last block starts at m0 + seqlen_k - seqlen_q and the first consumer's 64 rows see its first 64 keys only
-    (fwd_gluon._consumer)."""
+    diagonal, tiles of 128 rows meet blocks of 128 keys, the diagonal offset is a multiple of 128 and the diagonal
+    crosses the keys of every tile: then each tile's last block starts at m0 + diagonal_offset and the first
+    consumer's 64 rows see its first 64 keys only (fwd_gluon._consumer). A diagonal past the last key (an offset of
+    seqlen_k - seqlen_q or less always crosses them; ring attention's pairs of chunks pass larger ones) leaves a
+    tile's last block whole to both consumers."""
     setting = "the first consumer's last block on its first half (gluon_half_diagonal)"
     if not tile.overlap:
         return f"{setting} is built into the intra-warpgroup overlap: it needs gluon_overlap=1"
@@ -259,7 +261,16 @@ def _half_diagonal_reason(p: AttentionProblem, tile: GluonTile) -> str:
     if p.diagonal_offset % 128:
         return (f"{setting} needs seqlen_k - seqlen_q (the diagonal's offset) to be a multiple of 128, got "
                 f"{p.diagonal_offset}")
+    if not _diagonal_crosses_every_tile(p):
+        return (f"{setting} needs the diagonal to cross every tile's keys (diagonal offset + the last tile's first "
+                f"row < seqlen_k), got offset {p.diagonal_offset} with {p.seqlen_q} query rows and {p.seqlen_k} keys")
     return ""
+
+
+def _diagonal_crosses_every_tile(p: AttentionProblem) -> bool:
+    """Whether the band's diagonal (key j = query i + diagonal_offset) passes through the keys of every 128-row tile:
+    the last tile's first row plus the offset is a key (a tile whose rows all lie before it sees no key at all)."""
+    return p.diagonal_offset + (p.seqlen_q - 1) // 128 * 128 < p.seqlen_k
 
 
 def gluon_unserved_reason(problem: AttentionProblem, tile: GluonTile) -> str:
@@ -621,6 +632,7 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     across = (problem.seqlen_k < 4096 and not problem.has_alibi
               and problem.diagonal_offset + problem.window_right >= 0)
     half = dict(gluon_half_diagonal=1) if (across and problem.window_right == 0 and problem.diagonal_offset % 128 == 0
+                                           and _diagonal_crosses_every_tile(problem)
                                            and _triton_version() in HALF_DIAGONAL_TABLE_TRITON) else {}
     if wide:
         return dict(base, gluon_balanced=1, gluon_across_tiles=1, gluon_pingpong=1, **half) if across else \

@@ -23,7 +23,7 @@ row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
 - EXP2_EMULATED = n (FlashAttention-4's offload of the exponentials, opt-in): one probability in n is computed on
   the FMA units by a cubic in the fraction of its exponent (_exp2_on_fma_units) instead of by the MUFU unit.
 - HALF_DIAGONAL (with OVERLAP; dense batches, 128-row tiles against blocks of 128 keys, a band closing at the
-  diagonal, seqlen_k - seqlen_q a multiple of 128): the first consumer, whose rows see only the first half of a
+  diagonal, its offset a multiple of 128 that crosses every tile's keys): the first consumer, whose rows see only the first half of a
   tile's last key block (its causal diagonal block), takes that block's Q Kᵀ, softmax and P V on its first half
   (N = BLOCK_N / 2 wgmma and a K / V slice), where the block is not the tile's first. A constexpr choice for that
   consumer (the second sees the whole block). At 1k causal keys it halves 7 of a head's 72 consumer block steps:
@@ -617,11 +617,11 @@ if AVAILABLE:
         o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         # HALF_DIAGONAL is a choice for the first consumer alone, fixed at compile time. The launcher admits it for
         # dense batches, 128-row tiles against blocks of 128 keys, a band that closes at the diagonal
-        # (window_right = 0) and a diagonal offset d = seqlen_k - seqlen_q that is a multiple of 128
-        # (configs.gluon_unserved_reason). Then a tile's key blocks start on multiples of 128 from lo, and so does
-        # m0 + d; its band ends at hi = min(m0 + 128 + d, seqlen_k), with m0 + d < hi (seqlen_k = seqlen_q + d and
-        # m0 < seqlen_q; a tile with m0 + d < 0 has hi <= 0 and no key), so its last block starts at last = m0 + d
-        # (lo <= m0 + d, both multiples of 128). The first consumer's rows [m0, m0 + 64) see keys
+        # (window_right = 0) and a diagonal offset d that is a multiple of 128 with m0 + d < seqlen_k for every
+        # tile (configs.gluon_unserved_reason; d = seqlen_k - seqlen_q gives it, as m0 < seqlen_q). Then a tile's key
+        # blocks start on multiples of 128 from lo, and so does m0 + d; its band ends at
+        # hi = min(m0 + 128 + d, seqlen_k), with m0 + d < hi (a tile with m0 + d < 0 has hi <= 0 and no key), so its
+        # last block starts at last = m0 + d (lo <= m0 + d, both multiples of 128). The first consumer's rows [m0, m0 + 64) see keys
         # up to m0 + 63 + d = last + 63: none of that block's second half. The second consumer's rows see all of it.
         # With another offset the two consumers' rows need not split at the middle of the last block (their half
         # would be a run-time property of each tile, in either consumer), so the launcher turns the setting away.
