@@ -70,8 +70,20 @@ VARLEN_CASES = {
     "varlen-causal-zigzag": ((2, 4), "zigzag", True, 2, 2, HEADDIM),
     "varlen-gqa-causal-zigzag": ((2,), "zigzag", True, 4, 2, 8),
     "varlen-gqa-causal-contiguous": ((4,), "contiguous", True, 2, 1, HEADDIM),
+    # windows and ALiBi over each sequence's global positions (VARLEN_OPTIONS): each sequence's pairs of chunks
+    "varlen-window-causal-zigzag": ((2, 4), "zigzag", True, 2, 2, HEADDIM),
+    "varlen-alibi-window-contiguous": ((2,), "contiguous", False, 2, 1, HEADDIM),
+    "varlen-alibi-per-sequence-causal-zigzag": ((4,), "zigzag", True, 2, 2, 8),
 }
-BAD_VARLEN_CASES = ("varlen-cu-seqlens-differ", "varlen-total-mismatch-on-one-rank", "varlen-zigzag-odd-length")
+VARLEN_OPTIONS = {
+    "varlen-window-causal-zigzag": dict(window_size=(5, 0)),
+    "varlen-alibi-window-contiguous": dict(window_size=(3, 6), alibi_slopes=torch.tensor([0.5, 0.125])),
+    # (nseq, nheads): a row of slopes per sequence
+    "varlen-alibi-per-sequence-causal-zigzag": dict(
+        alibi_slopes=torch.tensor([[0.5, 0.25], [1.0, 0.125], [0.0625, 2.0], [0.75, 0.375]])),
+}
+BAD_VARLEN_CASES = ("varlen-cu-seqlens-differ", "varlen-total-mismatch-on-one-rank", "varlen-zigzag-odd-length",
+                    "varlen-slopes-of-another-shape")
 
 
 def _full_inputs(name: str, world: int):
@@ -142,7 +154,7 @@ def _run_varlen_case(name, rank, world, counter):
     max_seqlen = int((cu_local[1:] - cu_local[:-1]).max())
     counter.take()
     out, lse = ring_flash_attn_varlen_func(q, k, v, cu_local, max_seqlen, causal=causal, layout=layout,
-                                           return_lse=True)
+                                           return_lse=True, **VARLEN_OPTIONS.get(name, {}))
     forward_counts = counter.take()
     loss = (out * shard(grad_out, cu, rank, world)).sum() + (lse * shard(grad_lse, cu, rank, world, dim=1)).sum()
     loss.backward()
@@ -160,8 +172,11 @@ def _run_bad_varlen_case(name, rank, world):
     q = torch.randn(8, 2, HEADDIM)
     k = torch.randn(8 + (1 if name == "varlen-total-mismatch-on-one-rank" and rank == 0 else 0), 2, HEADDIM)
     layout = "zigzag" if name == "varlen-zigzag-odd-length" else "contiguous"
+    # two sequences and two heads: slopes of (3,) fit neither (nheads,) nor (nseq, nheads)
+    slopes = torch.ones(3) if name == "varlen-slopes-of-another-shape" else None
     try:
-        ring_flash_attn_varlen_func(q, k, k, torch.tensor(cu, dtype=torch.int32), 5, causal=True, layout=layout)
+        ring_flash_attn_varlen_func(q, k, k, torch.tensor(cu, dtype=torch.int32), 5, causal=True, layout=layout,
+                                    alibi_slopes=slopes)
     except ValueError as error:
         return f"ValueError: {error}"
     return "no error"
@@ -310,11 +325,15 @@ def test_varlen_ring_matches_single_process_attention(name, world, tmp_path_fact
     got = {key: UNSHARD_VARLEN[layout]([s[key] for s in shards], cu, dim=1 if key == "lse" else 0)
            for key in ("out", "lse", "dq", "dk", "dv")}
     bounds = cu.tolist()
+    options = VARLEN_OPTIONS.get(name, {})
     inputs64 = [t.clone().requires_grad_() for t in (q, k, v)]
     outs, lses = [], []
-    for a, b in zip(bounds, bounds[1:]):
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if b > a:   # an empty sequence has no rows
-            o, l = flash_attn_reference(*(t[a:b].unsqueeze(0) for t in inputs64), causal=causal)
+            sequence_options = dict(options)
+            if "alibi_slopes" in options and options["alibi_slopes"].dim() == 2:
+                sequence_options["alibi_slopes"] = options["alibi_slopes"][i:i + 1]
+            o, l = flash_attn_reference(*(t[a:b].unsqueeze(0) for t in inputs64), causal=causal, **sequence_options)
             outs.append(o[0])
             lses.append(l[0])
     want_out, want_lse = torch.cat(outs), torch.cat(lses, dim=1)
@@ -323,7 +342,7 @@ def test_varlen_ring_matches_single_process_attention(name, world, tmp_path_fact
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     with flashtile.use_backend("torch"):
         eager_out, eager_lse = flashtile.flash_attn_varlen_func(*inputs32, cu, cu, longest, longest, causal=causal,
-                                                                return_lse=True)
+                                                                return_lse=True, **options)
     eager = _with_gradients(eager_out, eager_lse, grad_out.float(), grad_lse.float(), inputs32)
     _assert_ring_follows_the_rule(name, world, got, want, eager)
 
@@ -358,7 +377,8 @@ def test_bad_shapes_raise_on_every_rank(name, expected, tmp_path_factory):
 
 @pytest.mark.parametrize("name,expected", [("varlen-cu-seqlens-differ", "must be the same on every rank"),
                                            ("varlen-total-mismatch-on-one-rank", "must share total_local"),
-                                           ("varlen-zigzag-odd-length", "odd lengths")])
+                                           ("varlen-zigzag-odd-length", "odd lengths"),
+                                           ("varlen-slopes-of-another-shape", "alibi_slopes")])
 def test_bad_varlen_shards_raise_on_every_rank(name, expected, tmp_path_factory):
     for rank, results in enumerate(_results(2, tmp_path_factory)):
         message = results[name]
@@ -415,10 +435,10 @@ def test_unsupported_arguments_are_refused_before_communicating():
     packed, cu = torch.randn(4, 2, 16), torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="layout"):
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, layout="striped")
-    with pytest.raises(NotImplementedError, match="window"):
-        ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, window_size=(2, 0))
-    with pytest.raises(NotImplementedError, match="alibi"):
-        ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, alibi_slopes=torch.ones(2))
+    # flash_attn_varlen_func's own rules on the window, before the collective checks (the slopes' shape, which
+    # depends on the sequences, after them: test_bad_varlen_shards_raise_on_every_rank)
+    with pytest.raises(ValueError, match="window_size"):
+        ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, window_size=(-2, 0))
     with pytest.raises(TypeError, match="max_seqlen"):
         ring_flash_attn_varlen_func(packed, packed, packed, cu, 4.0)
 

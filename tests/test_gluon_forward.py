@@ -52,13 +52,16 @@ def test_the_sm90_table_picks_the_measured_gluon_settings_per_cell(cell, setting
                                          tiles.gluon_tile) == ""
 
 
-@pytest.mark.parametrize("offset, half", [(0, 1), (128, 0), (1024, 0), (2048, 0)])
-def test_the_table_halves_the_last_block_only_where_the_diagonal_crosses_every_tile(offset, half, monkeypatch):
+@pytest.mark.parametrize("seqlen_k, offset, half", [(1024, 0, 1), (1024, 128, 0), (1024, 1024, 0), (1024, 2048, 0),
+                                                    (512, 0, 0), (2048, 1024, 1)])
+def test_the_table_halves_the_last_block_only_where_the_diagonal_crosses_every_tile(seqlen_k, offset, half,
+                                                                                  monkeypatch):
     """Ring attention attends pairs of 1k chunks at their global diagonal offset: a chunk of keys wholly before the
-    queries (offset 1024 or more) leaves each tile's last block whole to both consumers, so the table's half block,
-    taken under triton 3.6 at 1k causal, stays off there."""
+    queries (offset 1024 or more) leaves each tile's last block whole to both consumers, and so does SDPA's top-left
+    causal mask (offset 0) with fewer keys than queries, so the table's half block, taken under triton 3.6 at 1k
+    causal, stays off there."""
     monkeypatch.setattr(configs, "_triton_version", lambda: "3.6.0")
-    problem = dataclasses.replace(problem_for(1024, 1024, 64, 64, torch.bfloat16, True), diagonal_offset=offset)
+    problem = dataclasses.replace(problem_for(1024, seqlen_k, 64, 64, torch.bfloat16, True), diagonal_offset=offset)
     tiles = configs.default_tiles(problem, HOPPER)
     assert (tiles.forward_schedule, tiles.gluon_half_diagonal) == (3, half)
     _on_a_hopper(monkeypatch)

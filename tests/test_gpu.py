@@ -281,6 +281,20 @@ def test_gluon_forward_at_a_diagonal_offset_past_the_keys(offset, settings, seed
     assert_close_to_oracle("lse", lse, ref_lse, eager_lse, torch.bfloat16, seed)
 
 
+# SDPA's causal mask is aligned top-left (diagonal offset 0): with more queries than keys the last tiles' rows see
+# every key, so the diagonal does not cross their keys and the table's half block stays off
+@pytest.mark.parametrize("seqlen_q, seqlen_k, headdim", [(1024, 512, 64), (1024, 896, 128), (640, 256, 64)])
+def test_sdpa_causal_with_more_queries_than_keys_on_the_table(seqlen_q, seqlen_k, headdim, seed):
+    from flashtile.reference import sdpa_reference
+
+    q, k, v = (torch.randn(4, 8, n, headdim, device=DEVICE, dtype=torch.bfloat16) for n in (seqlen_q, seqlen_k,
+                                                                                           seqlen_k))
+    out = flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref_out, _ = sdpa_reference(q, k, v, is_causal=True)
+    eager_out, _ = sdpa_reference(q, k, v, is_causal=True, dtype=torch.bfloat16)
+    assert_close_to_oracle("out", out, ref_out, eager_out, torch.bfloat16, seed)
+
+
 # The Gluon dK/dV kernel (backward schedule 4, opt-in) on the edges of its schedule: ragged key blocks and query
 # blocks, one key, one query, rows that see no key (causal with seqlen_q > seqlen_k), GQA 4:1 and MQA, dv != d with
 # padded widths, a window, both query-block sizes (64 rows at d = 64, 32 at 128), without and with the

@@ -3,14 +3,17 @@
 Each rank of the group holds one shard of the sequence's queries, keys and values. The K/V shards travel
 around the ring (rank r sends to r + 1 and receives from r - 1, the group's ranks in order) with batched
 point-to-point operations (`torch.distributed.batch_isend_irecv`); while one shard is attended, the next one is
-already in flight. Each step attends the local queries to the visiting shard with `flash_attn_func(...,
-return_lse=True)` and merges the partial results in float32 by the log-sum-exp identity (Flash-Decoding's merge):
+already in flight. Each step attends the local queries to the visiting shard with flash_attn_func's kernels
+(returning the log-sum-exp) and merges the partial results in float32 by the log-sum-exp identity
+(Flash-Decoding's merge; the first partial that covers every row is kept as it is):
 
     lse = log(sum_i exp(lse_i)),   out = sum_i exp(lse_i - lse) * out_i
 
-The backward re-runs the ring: the K/V shards travel again, each rank recomputes its partial for the visiting
-shard under autograd and takes its gradients for the weights exp(lse_i - lse) above, and float32 dK/dV
-accumulators travel with the shards, one hop behind, until they reach their owners. Communication, memory and the
+The backward re-runs the ring: the K/V shards travel again and each rank runs the kernels' own backward on the
+visiting shard with the merged out and lse, whose probabilities exp(S - lse) and delta = rowsum(dO * out) are
+those of the whole sequence, so each shard's gradients are exactly its share (nothing recomputed under autograd).
+dQ stays on its rank; float32 dK/dV accumulators travel with the shards, one hop behind, until they reach their
+owners. Communication, memory and the
 overlap are described in docs/distributed.md.
 
 Layouts (how the global sequence of length W * seqlen_local is split over the W ranks; only causal attention
@@ -34,10 +37,11 @@ sequence packed one after another in sequence order, and `cu_seqlens` gives the 
 Dense and varlen calls share one ring (forward and backward); they differ only in how a step's pieces select
 rows and call the attention kernel (`_DensePlan`, `_VarlenPlan`).
 
-Sliding windows and ALiBi (dense calls) depend on global positions: there a step's pieces are pairs of chunks (one
-per rank in the contiguous layout, two in the zigzag one), each attended with the diagonal offset of its global
-positions (the query chunk's first position minus the key chunk's), and a pair that the window leaves empty is
-skipped.
+Sliding windows and ALiBi depend on global positions: there a step's pieces are pairs of chunks (one per rank in
+the contiguous layout, two in the zigzag one), each attended with the diagonal offset of its global positions (the
+query chunk's first position minus the key chunk's), and a pair that the window leaves empty is skipped. In a
+packed batch that offset is a multiple of each sequence's own chunk length, so there each sequence's pairs are
+attended by calls of their own.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _dispatch
-from ._validate import PreparedCall, prepare_flash_attn, prepare_flash_attn_varlen, unit_last_stride
+from ._validate import (PreparedCall, _check_flash_options, prepare_flash_attn, prepare_flash_attn_varlen,
+                        unit_last_stride)
 from .autograd import attention
 
 __all__ = ["LAYOUTS", "contiguous_shard", "contiguous_shard_varlen", "contiguous_unshard", "contiguous_unshard_varlen",
@@ -317,22 +322,28 @@ def ring_flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Ten
         ranks' tensors differ in shape or dtype; when cu_seqlens is not int32 and 1-D, differs between ranks,
         does not start at 0, decreases, or does not end at total_local; when layout is "zigzag" and a local
         shard's length is odd. TypeError/ValueError for a max_seqlen that is not an int >= 0; ValueError for an
-        unknown layout; NotImplementedError for a window or ALiBi slopes (the dense ring_flash_attn_func takes
-        them; packed shards would need each sequence's global offsets per step).
+        unknown layout. Errors of flash_attn_varlen_func's own validation (head counts, dtypes, window sides, the
+        slopes' shape) are raised identically on every rank, before any transfer.
     """
     _check_arguments("ring_flash_attn_varlen_func", layout)
-    if tuple(int(w) for w in window_size) != (-1, -1):
-        raise NotImplementedError(f"ring_flash_attn_varlen_func supports no sliding window yet "
-                                  f"(window_size={tuple(window_size)}); pass (-1, -1)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("ring_flash_attn_varlen_func does not take alibi_slopes yet; pass None")
+    # the options' own rules (the window's sides, softcap, the scale): the same arguments on every rank
+    _check_flash_options(0.0, softmax_scale, causal, window_size, softcap, False, False, return_lse,
+                         q.shape[-1] if isinstance(q, Tensor) else 1)
+    window = _window(window_size, causal)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"max_seqlen must be an int, got {max_seqlen!r} ({type(max_seqlen).__name__})")
     if max_seqlen < 0:
         raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
     ring = _Ring(group)
     bounds = _check_varlen_collectively(q, k, v, cu_seqlens, ring, layout)
-    plan = _VarlenPlan(layout, causal, _scale(softmax_scale, q), float(softcap), bounds, max_seqlen, q.device)
+    # flash_attn_varlen_func's own rules on the other arguments (the window, the slopes' shape, softcap), on shards
+    # that every rank now knows to be alike: every rank raises alike, before sending
+    prepare_flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=0.0,
+                              softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
+                              alibi_slopes=alibi_slopes, deterministic=False, return_attn_probs=False,
+                              return_lse=True)
+    plan = _VarlenPlan(layout, causal, _scale(softmax_scale, q), float(softcap), bounds, max_seqlen, q.device,
+                       window, alibi_slopes, ring.world)
     out, lse = _RingAttention.apply(q, k, v, ring, plan)
     return (out, lse) if return_lse else out
 
@@ -496,8 +507,8 @@ def _pieces(layout: str, causal: bool, rank: int, src: int) -> list[tuple[str, s
 class _DensePlan:
     """Pieces of (batch, seqlen_local, heads, d) shards: halves are slices of the sequence dim.
 
-    Without a window or ALiBi a piece is (query rows, key rows, causal) as _pieces gives it; with them (`banded`) it
-    is (query rows, key rows, the diagonal offset of their global positions), see _banded_pieces."""
+    A piece is (query rows, key rows, argument): without a window or ALiBi the argument is causal, as _pieces gives
+    it; with them (`banded`) the diagonal offset of the rows' global positions, see _banded_pieces."""
 
     token_dim = 1
 
@@ -505,37 +516,46 @@ class _DensePlan:
         self.layout, self.causal, self.scale, self.softcap = layout, causal, scale, softcap
         self.window, self.alibi_slopes, self.world, self.seqlen = window, alibi_slopes, world, seqlen
         # causal attention alone takes _pieces' causal flags: the diagonal step is one causal call over the shard
-        self.banded = alibi_slopes is not None or window != ((-1, 0) if causal else (-1, -1))
+        self.banded = _is_banded(window, causal, alibi_slopes)
         half = seqlen // 2
         self.rows = {"all": slice(None), "first": slice(0, half), "second": slice(half, None)}
 
     def pieces(self, rank: int, src: int) -> list[tuple]:
-        if self.banded:
-            return _banded_pieces(self.layout, self.seqlen, self.world, self.window, rank, src)
-        return _pieces(self.layout, self.causal, rank, src)
+        parts = (_banded_pieces(self.layout, self.seqlen, self.world, self.window, rank, src) if self.banded else
+                 _pieces(self.layout, self.causal, rank, src))
+        return [(self.rows[q_part], self.rows[k_part], argument) for q_part, k_part, argument in parts]
 
-    def prepare(self, q, k, v, q_part: str, k_part: str, piece) -> PreparedCall:
+    def prepare(self, q, k, v, argument) -> PreparedCall:
         """flash_attn_func's validated call of one piece; q, k, v the piece's rows."""
         if not self.banded:
-            return prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=self.scale, causal=piece,
+            return prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=self.scale, causal=argument,
                                       window_size=(-1, -1), softcap=self.softcap, alibi_slopes=None,
                                       deterministic=False, return_attn_probs=False, return_lse=True)
-        # the window and ALiBi at the pair's global diagonal offset `piece` (query row i and key column j of the
-        # pair are global positions q0 + i and k0 + j, piece = q0 - k0): flash_attn_func's problem with that offset
-        call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=self.scale, causal=False,
-                                  window_size=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
-                                  deterministic=False, return_attn_probs=False, return_lse=True)
-        return dataclasses.replace(call, problem=dataclasses.replace(call.problem, diagonal_offset=piece))
+        return _at_offset(q, k, v, self, self.alibi_slopes, argument)
 
     @staticmethod
-    def ring_layout(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-        """A piece's (out, lse) as the kernels return them, in the ring's layout (the same for dense shards)."""
-        return out, lse
+    def ring_rows(t: Tensor) -> Tensor:
+        """A piece's per-row result (out, lse, a gradient) as the kernels return it, in the ring's layout."""
+        return t
 
     @staticmethod
     def kernel_layout(t: Tensor) -> Tensor:
         """One of the ring's per-row tensors (out, its gradient, lse) as the kernels take it."""
         return t
+
+
+def _is_banded(window: tuple[int, int], causal: bool, alibi_slopes) -> bool:
+    """Whether the pieces depend on global positions (a window other than causal's, or ALiBi)."""
+    return alibi_slopes is not None or window != ((-1, 0) if causal else (-1, -1))
+
+
+def _at_offset(q, k, v, plan, alibi_slopes, offset: int) -> PreparedCall:
+    """flash_attn_func's call of dense q, k, v with the plan's window and ALiBi at the global diagonal offset
+    `offset` (query row i and key column j are global positions q0 + i and k0 + j, offset = q0 - k0)."""
+    call = prepare_flash_attn(q, k, v, dropout_p=0.0, softmax_scale=plan.scale, causal=False, window_size=plan.window,
+                              softcap=plan.softcap, alibi_slopes=alibi_slopes, deterministic=False,
+                              return_attn_probs=False, return_lse=True)
+    return dataclasses.replace(call, problem=dataclasses.replace(call.problem, diagonal_offset=offset))
 
 
 def _banded_pieces(layout: str, seqlen: int, world: int, window: tuple[int, int], rank: int,
@@ -564,38 +584,64 @@ def _banded_pieces(layout: str, seqlen: int, world: int, window: tuple[int, int]
 
 
 class _VarlenPlan:
-    """Pieces of packed (total_local, heads, d) shards: the halves of every sequence's shard are gathered by index
-    (only zigzag's causal steps use them), with their own boundaries cu_seqlens // 2."""
+    """Pieces of packed (total_local, heads, d) shards.
+
+    Without a window or ALiBi a piece covers every sequence at once: one flash_attn_varlen_func call, the argument
+    (the rows' names, causal); the halves of every sequence's shard are gathered by index (only zigzag's causal
+    steps use them), with their own boundaries cu_seqlens // 2. With them (`banded`) the diagonal offset of a pair
+    of chunks is a multiple of each sequence's own chunk length, so each sequence's pairs are attended apart, as
+    dense calls on slices of its rows (the argument: the sequence, the offset)."""
 
     token_dim = 0
 
-    def __init__(self, layout, causal, scale, softcap, bounds: list[int], max_seqlen: int, device):
+    def __init__(self, layout, causal, scale, softcap, bounds: list[int], max_seqlen: int, device, window=(-1, -1),
+                 alibi_slopes=None, world=1):
         self.layout, self.causal, self.scale, self.softcap = layout, causal, scale, softcap
+        self.window, self.alibi_slopes, self.world, self.bounds = window, alibi_slopes, world, bounds
+        self.banded = _is_banded(window, causal, alibi_slopes)
         cu = torch.tensor(bounds, dtype=torch.int32, device=device)
         self.cu = {"all": cu, "first": cu // 2, "second": cu // 2}
         self.max = {"all": max_seqlen, "first": (max_seqlen + 1) // 2, "second": (max_seqlen + 1) // 2}
         self.rows = {"all": slice(None)}
-        if layout == "zigzag" and causal:
+        if layout == "zigzag" and causal and not self.banded:
             cu64 = cu.long()
             position = torch.arange(bounds[-1], device=device)
             sequence = torch.searchsorted(cu64[1:], position, right=True)
             in_first = (position - cu64[sequence]) < (cu64[sequence + 1] - cu64[sequence]) // 2
             self.rows["first"], self.rows["second"] = position[in_first], position[~in_first]
 
-    def pieces(self, rank: int, src: int) -> list[tuple[str, str, bool]]:
-        return _pieces(self.layout, self.causal, rank, src)
+    def pieces(self, rank: int, src: int) -> list[tuple]:
+        if not self.banded:
+            return [(self.rows[q_part], self.rows[k_part], (q_part, k_part, causal))
+                    for q_part, k_part, causal in _pieces(self.layout, self.causal, rank, src)]
+        pieces = []
+        for i, (start, end) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+            half = (end - start) // 2
+            rows = {"all": slice(start, end), "first": slice(start, start + half), "second": slice(start + half, end)}
+            pieces += [(rows[q_part], rows[k_part], (i, offset)) for q_part, k_part, offset in
+                       _banded_pieces(self.layout, end - start, self.world, self.window, rank, src)] if end > start \
+                else []
+        return pieces
 
-    def prepare(self, q, k, v, q_part: str, k_part: str, causal: bool) -> PreparedCall:
-        """flash_attn_varlen_func's validated call of one piece; q, k, v the piece's rows, packed."""
+    def prepare(self, q, k, v, argument) -> PreparedCall:
+        """The validated call of one piece; q, k, v the piece's rows, packed."""
+        if self.banded:
+            sequence, offset = argument
+            slopes = self.alibi_slopes
+            if slopes is not None and slopes.dim() == 2:   # (nseq, nheads): this sequence's row
+                slopes = slopes[sequence:sequence + 1]
+            return _at_offset(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), self, slopes, offset)
+        q_part, k_part, causal = argument
         return prepare_flash_attn_varlen(q, k, v, self.cu[q_part], self.cu[k_part], self.max[q_part],
                                          self.max[k_part], dropout_p=0.0, softmax_scale=self.scale, causal=causal,
                                          window_size=(-1, -1), softcap=self.softcap, alibi_slopes=None,
                                          deterministic=False, return_attn_probs=False, return_lse=True)
 
     @staticmethod
-    def ring_layout(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-        """A piece's (out (1, total, ...), lse (1, nheads, total)) in the ring's layout, without the leading 1."""
-        return out.squeeze(0), lse.squeeze(0)
+    def ring_rows(t: Tensor) -> Tensor:
+        """A piece's per-row result (out (1, total, ...), lse (1, nheads, total), a gradient) in the ring's layout,
+        without the leading 1."""
+        return t.squeeze(0)
 
     @staticmethod
     def kernel_layout(t: Tensor) -> Tensor:
@@ -697,9 +743,8 @@ def _attend(plan, q, k, v, rank: int, src: int):
     """The pieces of the local queries against the visiting shard of rank `src`: (query rows, key rows, the
     validated call, its backend and tiles) each, the tensors the pieces' rows of q, k, v."""
     td = plan.token_dim
-    for q_part, k_part, piece in plan.pieces(rank, src):
-        rows, keys = plan.rows[q_part], plan.rows[k_part]
-        call = plan.prepare(_take(q, td, rows), _take(k, td, keys), _take(v, td, keys), q_part, k_part, piece)
+    for rows, keys, argument in plan.pieces(rank, src):
+        call = plan.prepare(_take(q, td, rows), _take(k, td, keys), _take(v, td, keys), argument)
         yield rows, keys, call, *_dispatch.resolve(call.problem)
 
 
@@ -720,7 +765,7 @@ class _RingAttention(torch.autograd.Function):
                 pending = ring.exchange([k_cur, v_cur], _KV_TAG)   # the next shard travels while this one is attended
             src = (ring.rank - step) % ring.world
             for rows, _, call, backend, tiles in _attend(plan, q_det, k_cur, v_cur, ring.rank, src):
-                merged.add(rows, *plan.ring_layout(*attention(call, backend, tiles)))
+                merged.add(rows, *map(plan.ring_rows, attention(call, backend, tiles)))
             if pending is not None:
                 (k_cur, v_cur), requests = pending
                 for request in requests:
@@ -796,8 +841,7 @@ def _shard_gradients(q, k_vis, v_vis, out, lse, grad_out, grad_lse, dq: _Rows, p
         gq, gk, gv, _ = kernels.backward(unit_last_stride(rows_of(grad_out)), grad_lse_rows, call.q, call.k, call.v,
                                          rows_of(out), lse_rows, call.alibi_slopes, None, call.problem,
                                          kernels.tiles_from_list(tiles), call.cu_seqlens_q, call.cu_seqlens_k)
-        squeeze = (lambda t: t.squeeze(0)) if call.cu_seqlens_q is not None else (lambda t: t)
-        dq.add(rows, squeeze(gq))
-        dk.add(keys, squeeze(gk))
-        dv.add(keys, squeeze(gv))
+        dq.add(rows, plan.ring_rows(gq))
+        dk.add(keys, plan.ring_rows(gk))
+        dv.add(keys, plan.ring_rows(gv))
     return dk, dv
