@@ -10,7 +10,8 @@ calls, --reps calls each of:
             same one; no communication)
 
 and prints one JSON line per cell and mode with the medians in ms (the slowest rank's median for the ring), and
-ratio = ring_ms / plain_ms. With W = 1 the ring communicates nothing and the ratio is its own overhead (the
+ratio = ring_ms / plain_ms. With --rounds R the two are timed in turns R times and the medians of the R medians are
+reported. With W = 1 the ring communicates nothing and the ratio is its own overhead (the
 float32 merge and the recomputation in the backward); with W ranks, ideal work sharing gives 1 / W.
 
     torchrun --nproc-per-node 8 benchmarks/ring_attention.py            # 8 GPUs, NCCL
@@ -64,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--modes", default="fwd,fwd_bwd")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times plain and ring are timed in turns; the medians over the rounds are reported")
     parser.add_argument("--atol", type=float, default=None,
                         help="largest max abs error of the ring's output against plain attention; default 2e-2 "
                              "for bf16/fp16, 1e-4 for fp32")
@@ -150,7 +153,6 @@ def run_cells(args) -> list[dict]:
             return torch.randn(args.batch, total, heads, args.headdim, generator=gen, device=device, dtype=dtype)
         q, k, v, grad_out = draw(args.heads), draw(args.kv_heads), draw(args.kv_heads), draw(args.heads)
         for causal in args.causals:
-            plain_ms = {}
             with torch.no_grad():
                 want = flashtile.flash_attn_func(q, k, v, causal=causal)
             for layout in args.layouts:
@@ -164,16 +166,21 @@ def run_cells(args) -> list[dict]:
                                      f"{error:.3e} (over --atol {args.atol:g}) at seqlen_local {seqlen}, "
                                      f"causal {causal}, layout {layout}")
                 for mode in args.modes:
-                    if mode not in plain_ms:
-                        plain = _call(flashtile.flash_attn_func, mode, q, k, v, grad_out, causal)
-                        plain_ms[mode] = _median_ms(plain, args.warmup, args.reps, device)
+                    plain = _call(flashtile.flash_attn_func, mode, q, k, v, grad_out, causal)
                     ring = _call(ring_flash_attn_func, mode, ql, kl, vl, gl, causal, layout=layout)
-                    ring_ms = _median_ms(ring, args.warmup, args.reps, device)
+                    # plain and ring in turns, --rounds times: the GPU's rate drifts between measurements of the
+                    # same work, and taking turns exposes both to it alike
+                    times = {"plain": [], "ring": []}
+                    for _ in range(args.rounds):
+                        times["plain"].append(_median_ms(plain, args.warmup, args.reps, device))
+                        times["ring"].append(_median_ms(ring, args.warmup, args.reps, device))
+                    plain_ms = statistics.median(times["plain"])
+                    ring_ms = statistics.median(times["ring"])
                     records.append(dict(world=world, device=device, dtype=args.dtype, batch=args.batch,
                                         heads=args.heads, kv_heads=args.kv_heads, headdim=args.headdim,
                                         seqlen_local=seqlen, seqlen_global=total, causal=causal, layout=layout,
-                                        mode=mode, ring_ms=round(ring_ms, 4), plain_ms=round(plain_ms[mode], 4),
-                                        ratio=round(ring_ms / plain_ms[mode], 4), max_abs_err=error))
+                                        mode=mode, ring_ms=round(ring_ms, 4), plain_ms=round(plain_ms, 4),
+                                        ratio=round(ring_ms / plain_ms, 4), max_abs_err=error))
                     if rank == 0:
                         print(json.dumps(records[-1]), flush=True)
     return records

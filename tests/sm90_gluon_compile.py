@@ -108,6 +108,7 @@ def extra_tiles():
             ("bf16 d128 one consumer, blocks of 64 keys", problem_for(4096, 4096, 128, 128, torch.bfloat16, False),
              configs.GluonTile(consumers=1, block_n=64)),
             *half_diagonal_tiles(),
+            *fa4_tiles(),
             ("bf16 d64 packed causal, blocks of 256 keys",
              dataclasses.replace(problem_for(1000, 1000, 64, 64, torch.bfloat16, True, batch=3), varlen=True),
              configs.GluonTile(block_n=256, overlap=False))]
@@ -126,6 +127,17 @@ def half_diagonal_tiles():
                   (f"bf16 d{headdim} causal dealt tiles, last block on its first half",
                    problem_for(4096, 4096, headdim, headdim, torch.bfloat16, True),
                    configs.GluonTile(balanced=True, half_diagonal=True))]
+    return tiles
+
+
+def fa4_tiles():
+    """The fa4 schedule on top of fa3 (configs.fa4_tiles): the table's setting with FlashAttention-4's two moves, on a
+    short causal cell and a long non-causal one at each head width."""
+    tiles = []
+    for headdim, seqlen, causal in ((64, 1024, True), (128, 1024, True), (64, 16384, False), (128, 16384, False)):
+        problem = problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal)
+        tiles.append((f"bf16 d{headdim} n{seqlen} causal {causal}, the fa4 schedule (the table's setting with "
+                      "FlashAttention-4's moves)", problem, configs.fa4_tiles(problem, (9, 0)).gluon_tile))
     return tiles
 
 

@@ -274,7 +274,7 @@ def test_fa4_in_the_registry():
     by_name = {s.name: s for s in flashtile.schedules(DEVICE, torch.bfloat16)}
     fa4 = by_name["fa4"]
     assert "RESCALE_THRESHOLD=8" in fa4.forward_kernel and "attention_fwd_tma_kernel" in fa4.forward_kernel
-    assert "not the Gluon kernel" in fa4.forward_kernel
+    assert "attention_fwd_gluon_kernel" in fa4.forward_kernel and "EXP2_EMULATED=4" in fa4.forward_kernel
     assert "two-CTA MMA" in fa4.description and "tensor memory" in fa4.description
     assert fa4.backward_kernel.startswith(by_name["fa2"].backward_kernel)
     if INTERPRETED:
@@ -300,6 +300,30 @@ def test_fa4_tiles_take_two_stages_at_128_key_blocks_on_a_gpu():
     assert configs.fa4_tiles(narrow, (9, 0)).num_stages == configs.portable_tiles(narrow, (9, 0)).num_stages
     assert configs.fa4_tiles(problem(torch.float32, 64), (9, 0)).exp2_poly_every == 0
     assert configs.fa4_tiles(wide, None).num_stages == configs.portable_tiles(wide, None).num_stages
+
+
+@pytest.mark.parametrize("headdim, seqlen, causal", [(64, 1024, True), (128, 1024, True), (64, 16384, False),
+                                                     (128, 4096, False)])
+def test_fa4_runs_on_top_of_fa3_where_the_gluon_forward_serves_the_call(headdim, seqlen, causal, monkeypatch):
+    """On sm_90 for fp16 / bf16 fa4 is the table's Gluon setting with both moves (the Triton settings beside it, for a
+    call whose tensors the Gluon forward turns away at launch); fp32, which the Gluon forward does not take, runs them
+    on fa2's kernels."""
+    from sm90_launches import problem_for
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    import dataclasses
+
+    problem = dataclasses.replace(problem_for(seqlen, seqlen, headdim, headdim, torch.bfloat16, causal),
+                                  device=torch.device("cuda"))
+    table, fa4 = configs.default_tiles(problem, (9, 0)), configs.fa4_tiles(problem, (9, 0))
+    assert fa4.forward_schedule == 3 and configs.gluon_unserved_reason(problem, fa4.gluon_tile) == ""
+    assert fa4.gluon_tile == dataclasses.replace(table.gluon_tile, exp2_emulated=4, rescale_threshold=8)
+    assert (fa4.rescale_threshold, fa4.exp2_poly_every) == (8, 4)
+    text = fa4.describe(problem)
+    assert "one exponential in 4 on the FMA units" in text and "moved only when a block raises it by more than 8" in text
+    fp32 = dataclasses.replace(problem, dtype=torch.float32)
+    assert configs.fa4_tiles(fp32, (9, 0)).forward_schedule != 3
 
 
 SETTING_ERRORS = {

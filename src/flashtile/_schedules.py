@@ -66,15 +66,16 @@ _REGISTRY = {
             "on Hopper, the matmul units idling while loads and the softmax run: roles overlap them",
             "attention_fwd_gluon_kernel (sm_90, fp16 / bf16)",
             _TABLE_BACKWARD),
-    "fa4": ("fa2's kernels with FlashAttention-4's two moves that exist on Hopper, compiled in as constexprs "
-            "(triton/common.py online_softmax_step): a row's running max is moved only when a key block raises it "
-            "by more than 8 (base 2, a factor 256), so acc and l are not rescaled for smaller rises (exact: out and "
-            "lse use the same max; probabilities stay below 2^8); and for fp16 / bf16 one exponential in 4 is a cubic "
-            "in 2^f on the FMA units with the integer part added to the exponent bits. " + FA4_BLACKWELL_ONLY,
+    "fa4": ("fa3's kernel (the Gluon forward at the table's settings) where it serves the call, else fa2's kernels, "
+            "with FlashAttention-4's two moves that exist on Hopper, compiled in as constexprs (fwd_gluon.py "
+            "_softmax_update, triton/common.py online_softmax_step): a row's running max is moved only when a key "
+            "block raises it by more than 8 (base 2, a factor 256), so its probabilities stay below 2^8 and alpha is "
+            "1 for smaller rises (exact: out and lse use the same max); and for fp16 / bf16 one exponential in 4 is a "
+            "cubic in 2^f on the FMA units with the integer part added to the exponent bits. " + FA4_BLACKWELL_ONLY,
             "the exp2 unit and the rescaling multiplies beside the matmuls (on Blackwell the matmuls outrun them)",
-            "attention_fwd_kernel or attention_fwd_tma_kernel as fa2 chooses (TMA on sm_90 for fp16 / bf16 up to "
-            "d = 128), compiled with RESCALE_THRESHOLD=8 and EXP2_POLY_EVERY=4 (0 for fp32); not the Gluon kernel: on "
-            "sm_90 fa4 runs these Triton kernels",
+            "attention_fwd_gluon_kernel (sm_90, fp16 / bf16, where fa3 serves the call) compiled with "
+            "RESCALE_THRESHOLD=8 and EXP2_EMULATED=4; else attention_fwd_kernel or attention_fwd_tma_kernel as fa2 "
+            "chooses, compiled with RESCALE_THRESHOLD=8 and EXP2_POLY_EVERY=4 (0 for fp32)",
             _TABLE_BACKWARD + "; lse is the true natural-log lse, so the shared recompute backward differentiates it"),
     "decode": ("Flash-Decoding for flash_attn_with_kvcache: each sequence's cached keys split into chunks attended by "
                "separate programs, merged exactly by their log-sum-exps (triton/decode.py)",

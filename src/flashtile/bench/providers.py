@@ -156,12 +156,12 @@ class ScheduleProvider(Provider):
     as a full cache (forward only; `flashtile bench --mode decode` measures it at decoding shapes)."""
 
     NAMES = ("fa1", "fa2", "fa3", "fa4", "decode")
-    # the forward kernel each schedule's rows must show (fa2 and fa4 share the Triton kernels' names: fa4 is those
-    # kernels compiled with its constexprs)
+    # the forward kernel each schedule's rows must show (fa4 shares fa3's Gluon kernel, or where fa3 cannot serve the
+    # call fa2's Triton kernels, by name: fa4 is those kernels compiled with its constexprs)
     FORWARD_KERNELS = {"fa1": ("attention_fwd_fa1_kernel",),
                        "fa2": ("attention_fwd_kernel", "attention_fwd_tma_kernel"),
                        "fa3": ("attention_fwd_gluon_kernel",),
-                       "fa4": ("attention_fwd_kernel", "attention_fwd_tma_kernel"),
+                       "fa4": ("attention_fwd_gluon_kernel", "attention_fwd_kernel", "attention_fwd_tma_kernel"),
                        "decode": ("attention_decode_kernel", "attention_decode_combine_kernel")}
     # keys per FA1 block for the IO model: the FA1 kernel's default on a GPU (fwd_fa1.default_fa1_blocks)
     FA1_MODEL_BLOCK_N = 64

@@ -248,8 +248,8 @@ def format_schedule_table(result: BenchResult) -> str:
               "every schedule ran on the same inputs; %matmul = TFLOP/s / measured matmul ceiling; model MB = HBM "
               "bytes the IO model counts (flashtile.iomodel: tiled; fa1's forward adds O, m, l per 64-key block), "
               "not measured bytes; GB/s = those bytes / time, %copy = of the measured copy bandwidth; max err = "
-              "max |x - ref| vs float64 of out (fwd) or dq (fwd+bwd, bwd) on a sub-sample; fa2 and fa4 run kernels "
-              "of the same names (fa4 compiled with its constexprs)"]
+              "max |x - ref| vs float64 of out (fwd) or dq (fwd+bwd, bwd) on a sub-sample; fa4 runs fa3's kernel "
+              "(or fa2's where fa3 cannot serve) compiled with its constexprs, under the same name"]
     return "\n".join(lines)
 
 

@@ -40,6 +40,9 @@ class GluonTile:
     # (configs._half_diagonal_reason): a tile's last key block, whose second half the first consumer's rows do not
     # see (their causal diagonal block), computed on its first half by that consumer
     half_diagonal: bool = False
+    # FlashAttention-4's conditional rescaling (the fa4 schedule): a row's max moved only when a block raises it by
+    # more than this (base 2; 0: always moved)
+    rescale_threshold: int = 0
 
     @property
     def block_m(self) -> int:
@@ -79,16 +82,20 @@ class GluonTile:
                 + (", the next tile's first block under each tile's last P V, " if self.across_tiles else ", ")
                 + f"{self.consumer_registers} registers per consumer thread"
                 + (f", one exponential in {self.exp2_emulated} on the FMA units" if self.exp2_emulated else "")
+                + (f", a row's max moved only when a block raises it by more than {self.rescale_threshold} (base 2)"
+                   if self.rescale_threshold else "")
                 + (", each tile's last block computed on its first half by the first consumer (whose rows do not "
                    "see its second half)" if self.half_diagonal else ""))
 
 
 @functools.lru_cache(maxsize=256)
 def _gluon_tile_of(block_n: int, stages: int, overlap: int, pingpong: int, persistent: int, consumers: int,
-                   balanced: int, exp2_emulated: int, across_tiles: int, half_diagonal: int) -> GluonTile:
+                   balanced: int, exp2_emulated: int, across_tiles: int, half_diagonal: int,
+                   rescale_threshold: int) -> GluonTile:
     return GluonTile(block_n=block_n, num_stages=stages, overlap=bool(overlap), pingpong=bool(pingpong),
                      persistent=bool(persistent), consumers=consumers, balanced=bool(balanced),
-                     exp2_emulated=exp2_emulated, across_tiles=bool(across_tiles), half_diagonal=bool(half_diagonal))
+                     exp2_emulated=exp2_emulated, across_tiles=bool(across_tiles), half_diagonal=bool(half_diagonal),
+                     rescale_threshold=rescale_threshold)
 
 
 GLUON_WIDTHS = (64, 128, 256)  # padded q/k and v head widths the Gluon forward serves (256: d == dv only)
@@ -401,7 +408,8 @@ class TritonTiles:
         """The Gluon forward's launch configuration (one object per distinct setting: a call reads it twice)."""
         return _gluon_tile_of(self.gluon_block_n, self.gluon_stages, self.gluon_overlap, self.gluon_pingpong,
                               self.gluon_persistent, self.gluon_consumers, self.gluon_balanced,
-                              self.gluon_exp2_emulated, self.gluon_across_tiles, self.gluon_half_diagonal)
+                              self.gluon_exp2_emulated, self.gluon_across_tiles, self.gluon_half_diagonal,
+                              self.rescale_threshold)
 
     @property
     def backward_one_launch(self) -> bool:
@@ -506,10 +514,11 @@ FUSED_GLUON_BACKWARD_SCHEDULE = 5
 
 # the schedules of the registry (flashtile.schedules) as TritonTiles.forced_schedule encodes them; 0 is none
 SCHEDULE_CODES = {"fa1": 1, "fa2": 2, "fa3": 3, "fa4": 4, "decode": 5}
-# the fa4 schedule's settings (TritonTiles.rescale_threshold, exp2_poly_every; docs/schedules.md): FlashAttention-4's
-# threshold of 8 (a factor 256), and one exponential in 4 on the FMA units where P is rounded to fp16 / bf16 for its
-# matmul (the cubic's 1.0e-4 relative error lies below that rounding; fp32 keeps P in fp32, and every exponential
-# on the exp2 unit). Neither is measured on a GPU.
+# the fa4 schedule's settings (TritonTiles.rescale_threshold, exp2_poly_every, and on the Gluon forward
+# gluon_exp2_emulated; docs/schedules.md): FlashAttention-4's threshold of 8 (a factor 256), and one exponential in
+# 4 on the FMA units where P is rounded to fp16 / bf16 for its matmul (the cubic's 1.0e-4 relative error lies below
+# that rounding; fp32 keeps P in fp32, and every exponential on the exp2 unit). Measured one at a time on the H200:
+# BENCHMARKS.md, "One algorithm, five schedules on one GPU".
 FA4_RESCALE_THRESHOLD = 8
 FA4_EXP2_POLY_EVERY = 4
 # at most 15: probabilities up to 2^15 stay finite in fp16 (65,504) when P is rounded for its matmul
@@ -690,20 +699,31 @@ def portable_tiles(problem: AttentionProblem, capability: tuple[int, int] | None
 
 
 def fa4_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:
-    """The fa4 schedule's settings: the fa2 schedule's (portable_tiles) with FlashAttention-4's moves,
-    FA4_RESCALE_THRESHOLD and, for fp16 / bf16, FA4_EXP2_POLY_EVERY (fp32 keeps P in fp32 for its matmul, where the
-    cubic's 1.0e-4 would exceed the rounding: every exponential on the exp2 unit). On a GPU, 128-key blocks take 2
-    stages instead of 3: splitting the score tile into its columns (tl.split / tl.join in common.exp2_columns)
-    converts layouts through shared memory, and the d = 128 forward's 128 x 128 tile needed 262,200 bytes with 3
-    stages (triton 3.6, sm_90), over sm_90's 232,448; 196,640 with 2. Not measured on a GPU. With dropout on a GPU
-    every exponential stays on the exp2 unit: triton 3.6 fails an assertion (applyLinearLayout, lowering to LLVM)
-    compiling the TMA forward with both the cubic's column split and the dropout mask (H200)."""
+    """The fa4 schedule's settings: FlashAttention-4's moves, FA4_RESCALE_THRESHOLD and FA4_EXP2_POLY_EVERY, on top
+    of the fa3 schedule (the Gluon forward at the table's settings) where it serves the call, else on top of the fa2
+    schedule (portable_tiles).
+
+    On the Gluon forward (fp16 / bf16, sm_90) both apply as GluonTile.rescale_threshold and exp2_emulated. On the
+    Triton forwards the cubic takes fp16 / bf16 only (fp32 keeps P in fp32 for its matmul, where the cubic's 1.0e-4
+    would exceed the rounding: every exponential on the exp2 unit). There, on a GPU, 128-key blocks take 2 stages
+    instead of 3: splitting the score tile into its columns (tl.split / tl.join in common.exp2_columns) converts
+    layouts through shared memory, and the d = 128 forward's 128 x 128 tile needed 262,200 bytes with 3 stages
+    (triton 3.6, sm_90), over sm_90's 232,448; 196,640 with 2. With dropout on a GPU every exponential stays on the
+    exp2 unit: triton 3.6 fails an assertion (applyLinearLayout, lowering to LLVM) compiling the TMA forward with
+    both the cubic's column split and the dropout mask (H200). The Triton settings stay in the row where the fa3
+    version is chosen: a call whose tensors the Gluon forward turns away at launch (their alignment) runs them."""
     tiles = portable_tiles(problem, capability)
     cubic = problem.dtype in (torch.float16, torch.bfloat16) and not (capability is not None and problem.dropout_p > 0)
     every = FA4_EXP2_POLY_EVERY if cubic else 0
     stages = 2 if capability is not None and every and tiles.block_n >= 128 else tiles.num_stages
-    return dataclasses.replace(tiles, rescale_threshold=FA4_RESCALE_THRESHOLD, exp2_poly_every=every,
-                               num_stages=min(stages, tiles.num_stages))
+    on_fa2 = dataclasses.replace(tiles, rescale_threshold=FA4_RESCALE_THRESHOLD, exp2_poly_every=every,
+                                 num_stages=min(stages, tiles.num_stages))
+    table = default_tiles(problem, capability)
+    if table.forward_schedule != 3:
+        return on_fa2
+    gluon = {key: getattr(table, key) for key in TritonTiles.__dataclass_fields__ if key.startswith("gluon_")}
+    on_fa3 = dataclasses.replace(on_fa2, forward_schedule=3, **dict(gluon, gluon_exp2_emulated=FA4_EXP2_POLY_EVERY))
+    return on_fa2 if gluon_unserved_reason(problem, on_fa3.gluon_tile) else on_fa3
 
 
 def _triton_tiles(problem: AttentionProblem, capability: tuple[int, int] | None) -> TritonTiles:

@@ -11,7 +11,8 @@ row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
   CONSUMER_REGISTERS each through `setmaxnreg`), each owning 64 of the tile's query rows. Each issues S = Q Kᵀ as
   an asynchronous wgmma (Q and K from shared memory), runs the online softmax on S in registers, and issues
   O += P V with P converted in registers to the wgmma's A operand (no round trip through shared memory), then
-  normalises once and stores its rows by TMA (staged in its query rows' buffer with SHARE_QO, where a buffer of its own would not fit).
+  normalises once and stores its rows by TMA (staged in its query rows' buffer with SHARE_QO, where a buffer of
+  its own would not fit).
 - OVERLAP (intra-warpgroup overlap): a consumer issues Q Kᵀ of block j + 1 before the P V of block j and waits for
   the score matmul alone (`warpgroup_mma_wait(1)`), so its softmax of block j + 1 runs under its P V of block j;
   the accumulator's rescale waits for that P V.
@@ -20,14 +21,19 @@ row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
   next tile's first Q Kᵀ before its tile's last P V and runs that block's softmax under it, the query rows of
   consecutive tiles in two buffers taken in turn. Every tile sees a key there, so every tile's first block is done
   before the tile (the CTA's first before the tile loop) and the loop carries P without a branch on it.
-- EXP2_EMULATED = n (FlashAttention-4's offload of the exponentials, opt-in): one probability in n is computed on
-  the FMA units by a cubic in the fraction of its exponent (_exp2_on_fma_units) instead of by the MUFU unit.
+- EXP2_EMULATED = n (FlashAttention-4's offload of the exponentials; the fa4 schedule, or opt-in): one probability
+  in n is computed on the FMA units by a cubic in the fraction of its exponent (_exp2_on_fma_units) instead of by
+  the MUFU unit.
+- RESCALE_THRESHOLD = t > 0 (FlashAttention-4's conditional rescaling; the fa4 schedule): a row keeps its running
+  max while a block raises it by at most t (base 2), so its probabilities stay below 2^t and alpha is 1; out and
+  lse use the max that was kept, so the result is exact up to rounding. Every consumer still multiplies its
+  accumulator by alpha (a select per row: Gluon has no branch per warp).
 - HALF_DIAGONAL (with OVERLAP; dense batches, 128-row tiles against blocks of 128 keys, a band closing at the
-  diagonal, its offset a multiple of 128 that crosses every tile's keys): the first consumer, whose rows see only the first half of a
-  tile's last key block (its causal diagonal block), takes that block's Q Kᵀ, softmax and P V on its first half
-  (N = BLOCK_N / 2 wgmma and a K / V slice), where the block is not the tile's first. A constexpr choice for that
-  consumer (the second sees the whole block). At 1k causal keys it halves 7 of a head's 72 consumer block steps:
-  4.9% of the matmuls and exponentials.
+  diagonal, its offset a multiple of 128 that crosses every tile's keys): the first consumer, whose rows see only
+  the first half of a tile's last key block (its causal diagonal block), takes that block's Q Kᵀ, softmax and P V
+  on its first half (N = BLOCK_N / 2 wgmma and a K / V slice), where the block is not the tile's first. A
+  constexpr choice for that consumer (the second sees the whole block). At 1k causal keys it halves 7 of a head's
+  72 consumer block steps: 4.9% of the matmuls and exponentials.
 - PINGPONG (two consumers): they take turns through a pair of mbarriers: one issues its matmuls only on its turn
   and passes the turn on once they are issued, so one warpgroup's exponentials run under the other's matmuls.
 
@@ -64,7 +70,8 @@ WARPGROUP_ROWS = 64
 
 
 def _exp2_on_fma_units(x: str, out: str) -> str:
-    """PTX computing out = 2^x (x <= 0, f32 registers) without the MUFU unit: x clamped at -127, split as
+    """PTX computing out = 2^x (x < 128, f32 registers: the kernel's are at most 0, or at most RESCALE_THRESHOLD
+    with the conditional rescale) without the MUFU unit: x clamped at -127, split as
     n + f with n = round(x) (adding 1.5 * 2^23 leaves n in the low bits) and f in [-0.5, 0.5]; 2^f by a cubic
     (1 + f (c1 + f (c2 + f c3)), relative error 1.0e-4, a minimax fit with 1 exact at f = 0), and n added to its
     exponent bits. At x = -127 (and -inf) the result is exactly 0: f = 0 gives 1.0, whose exponent 127 - 127 is 0."""
@@ -104,8 +111,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _exp2(x, EMULATED: gl.constexpr):
-        """2^x elementwise for x <= 0 (or -inf): by the MUFU unit, or with EMULATED = n one element in n on the FMA
-        units (_exp2_on_fma_units), which the MUFU unit's 16 results per clock and SM would otherwise bound."""
+        """2^x elementwise for x <= RESCALE_THRESHOLD (0 without the conditional rescale; or -inf): by the MUFU
+        unit, or with EMULATED = n one element in n on the FMA units (_exp2_on_fma_units), which the MUFU unit's 16
+        results per clock and SM would otherwise bound."""
         if EMULATED == 2:
             y = gl.inline_asm_elementwise(_EXP2_ONE_IN_2, _F32_2, [x], dtype=gl.float32, is_pure=True, pack=2)
         elif EMULATED == 4:
@@ -261,12 +269,18 @@ if AVAILABLE:
         return s
 
     @gluon.jit
-    def _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr):
+    def _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                        RESCALE_THRESHOLD: gl.constexpr):
         """One online-softmax step on scores s: (p, alpha, m_new, l_new); alpha rescales what was accumulated."""
         row_max = gl.max(s, axis=1)
         if SCALE_IN_EXP2:
             row_max = row_max * score_scale
-        m_new = gl.maximum(m_i, row_max)
+        if RESCALE_THRESHOLD > 0:
+            # the max moves only when the block raises it by more than the threshold (a row's first finite block
+            # always moves it: -inf + t is -inf)
+            m_new = gl.where(row_max > m_i + RESCALE_THRESHOLD, row_max, m_i)
+        else:
+            m_new = gl.maximum(m_i, row_max)
         # any block may be masked (the keys' ragged end is known at run time), so a row may have seen only -inf
         # scores so far: it keeps max -inf and is shifted by 0, so that exp2 gives 0, not NaN
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -301,7 +315,7 @@ if AVAILABLE:
     def _block_probabilities(s, n0, row0, m_i, l_i, seqlen_q, seqlen_k, score_args, slope, masked,
                              col_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                             EXP2_EMULATED: gl.constexpr):
+                             EXP2_EMULATED: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
         """The online-softmax step of the key block at n0 from its raw products s: (p, alpha, m_new, l_new) as
         _softmax_update, the element mask applied where `masked` (the block straddles a band edge or the keys' end)."""
         score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = score_args
@@ -311,7 +325,7 @@ if AVAILABLE:
         s = _scores(s, offs_m, n0 + gl.arange(0, BLOCK_N, layout=col_layout), seqlen_q, seqlen_k, score_scale,
                     softcap_scale, softcap_out, slope, diagonal_offset, window_left, window_right, masked, HAS_LEFT,
                     HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2)
-        return _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2, EXP2_EMULATED)
+        return _softmax_update(s, m_i, l_i, score_scale, SCALE_IN_EXP2, EXP2_EMULATED, RESCALE_THRESHOLD)
 
     @gluon.jit
     def _take_turn(my_turn, turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -436,6 +450,7 @@ if AVAILABLE:
                      slope, masked, my_turn, other_turn, turns, s_layout: gl.constexpr, col_layout: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                     RESCALE_THRESHOLD: gl.constexpr,
                      WG: gl.constexpr, PINGPONG: gl.constexpr):
         """The scores and online-softmax step of the CTA's `it`-th key block (at n0) with nothing to overlap them
         with (a tile's first block under overlap, every block without): (p, alpha, m, l, turns) as
@@ -452,7 +467,7 @@ if AVAILABLE:
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _block_probabilities(s, n0, row0, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
                                                   masked, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                                  SCALE_IN_EXP2, EXP2_EMULATED)
+                                                  SCALE_IN_EXP2, EXP2_EMULATED, RESCALE_THRESHOLD)
         return p, alpha, m_i, l_i, turns
 
     @gluon.jit
@@ -481,13 +496,15 @@ if AVAILABLE:
                      slope, masked, my_turn, other_turn, turns, s_layout: gl.constexpr, col_layout: gl.constexpr,
                      p_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                      HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
-                     EXP2_EMULATED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+                     EXP2_EMULATED: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr, WG: gl.constexpr,
+                     PINGPONG: gl.constexpr):
         """A tile's first block under overlap, nothing to overlap its scores and softmax with yet: (P as the P V
         matmul's A operand, m, l, turns) as _block_alone."""
         p, alpha, m_i, l_i, turns = _block_alone(q_tile, k_smem, k_ready, k_empty, it, n0, row0, m_i, l_i,
                                                  seqlen_q, seqlen_k, score_args, slope, masked, my_turn, other_turn,
                                                  turns, s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                                 HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG)
+                                                 HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, RESCALE_THRESHOLD, WG,
+                                                 PINGPONG)
         return gl.convert_layout(p.to(q_tile.dtype), p_layout), m_i, l_i, turns
 
     @gluon.jit
@@ -495,7 +512,8 @@ if AVAILABLE:
                           l_i, seqlen_q, seqlen_k, score_args, slope, masked, my_turn, other_turn, turns,
                           s_layout: gl.constexpr, col_layout: gl.constexpr, HAS_LEFT: gl.constexpr,
                           HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                          SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr, WG: gl.constexpr,
+                          SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                          WG: gl.constexpr,
                           PINGPONG: gl.constexpr, KEYS: gl.constexpr):
         """Q Kᵀ of the first KEYS keys (the block, or its first half: HALF_DIAGONAL; s_layout and col_layout of that
         width) of the CTA's `it`-th key block (at n0, against q_tile) issued before the P V of block it - 1 (p_op
@@ -519,7 +537,7 @@ if AVAILABLE:
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _block_probabilities(s, n0, row0, m_i, l_i, seqlen_q, seqlen_k, score_args, slope,
                                                   masked, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                                  SCALE_IN_EXP2, EXP2_EMULATED)
+                                                  SCALE_IN_EXP2, EXP2_EMULATED, RESCALE_THRESHOLD)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(v_empty.index(prev_stage), count=1)
         return p, alpha, m_i, l_i, acc, turns
@@ -530,7 +548,8 @@ if AVAILABLE:
                   s_layout: gl.constexpr, col_layout: gl.constexpr, p_layout: gl.constexpr, row_layout: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILE_LIST: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                  SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                  SCALE_IN_EXP2: gl.constexpr, EXP2_EMULATED: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                  WG: gl.constexpr, PINGPONG: gl.constexpr,
                   SHARE_QO: gl.constexpr, VARLEN: gl.constexpr, ACROSS_TILES: gl.constexpr):
         """The end of the CTA's `wave`-th tile under overlap, its last score matmul done and its last P V (p_op into
         acc; P of a whole block or, HALF_DIAGONAL, of its first half) pending: free the query rows, zero a packed
@@ -567,7 +586,7 @@ if AVAILABLE:
                     v_ready, v_empty, it, n0_n, row0_n, gl.full([64], float("-inf"), gl.float32, layout=row_layout),
                     gl.full([64], 0.0, gl.float32, layout=row_layout), seqlen_q_n, seqlen_k_n, args_n, 0.0, masked_n,
                     my_turn, other_turn, turns, s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                    SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG, BLOCK_N)
+                    SCALE_IN_EXP2, EXP2_EMULATED, RESCALE_THRESHOLD, WG, PINGPONG, BLOCK_N)
                 next_p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
                 it += 1
             else:
@@ -588,6 +607,7 @@ if AVAILABLE:
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SCALE_IN_EXP2: gl.constexpr,
                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr, SHARE_QO: gl.constexpr,
                   VARLEN: gl.constexpr, ACROSS_TILES: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                  RESCALE_THRESHOLD: gl.constexpr,
                   HAS_SINK: gl.constexpr, HALF_DIAGONAL: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup WG (0 .. BLOCK_M / 64 - 1): rows [64 WG, 64 WG + 64) of every tile this CTA takes."""
         q_desc, k_desc, v_desc, o_desc = descs
@@ -621,8 +641,9 @@ if AVAILABLE:
         # tile (configs.gluon_unserved_reason; d = seqlen_k - seqlen_q gives it, as m0 < seqlen_q). Then a tile's key
         # blocks start on multiples of 128 from lo, and so does m0 + d; its band ends at
         # hi = min(m0 + 128 + d, seqlen_k), with m0 + d < hi (a tile with m0 + d < 0 has hi <= 0 and no key), so its
-        # last block starts at last = m0 + d (lo <= m0 + d, both multiples of 128). The first consumer's rows [m0, m0 + 64) see keys
-        # up to m0 + 63 + d = last + 63: none of that block's second half. The second consumer's rows see all of it.
+        # last block starts at last = m0 + d (lo <= m0 + d, both multiples of 128). The first consumer's rows
+        # [m0, m0 + 64) see keys up to m0 + 63 + d = last + 63: none of that block's second half. The second
+        # consumer's rows see all of it.
         # With another offset the two consumers' rows need not split at the middle of the last block (their half
         # would be a run-time property of each tile, in either consumer), so the launcher turns the setting away.
         HALF: gl.constexpr = HALF_DIAGONAL and WG == 0
@@ -655,7 +676,7 @@ if AVAILABLE:
                     q_smem.index(q_buffer).reshape([64, BLOCK_D]), k_smem, k_ready, k_empty, it, n0_n, row0_n,
                     next_m, next_l, seqlen_q_n, seqlen_k_n, args_n, 0.0, masked_n, my_turn, other_turn, turns,
                     s_layout, col_layout, p_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2,
-                    EXP2_EMULATED, WG, PINGPONG)
+                    EXP2_EMULATED, RESCALE_THRESHOLD, WG, PINGPONG)
                 it += 1
         for wave in range(count):
             b, h, m0, sequence = _tile_sequence(_tile_number(wave, first, programs, TileList, TILE_LIST), sizes,
@@ -692,7 +713,7 @@ if AVAILABLE:
                                 q_tile, k_smem, k_ready, k_empty, it, lo, row0, m_i, l_i, seqlen_q_b, seqlen_k_b,
                                 tile_args, slope, (lo < full_lo) | (lo >= full_hi), my_turn, other_turn, turns,
                                 s_layout, col_layout, p_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG)
+                                SCALE_IN_EXP2, EXP2_EMULATED, RESCALE_THRESHOLD, WG, PINGPONG)
                             it += 1
                         # HALF: the tile's last block, where it is not its first, takes this consumer's Q Kᵀ,
                         # softmax and P V on its first half only (see HALF's definition: these rows see none of its
@@ -710,7 +731,7 @@ if AVAILABLE:
                                 q_tile, p_op, acc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, it, n0, row0,
                                 m_i, l_i, seqlen_q_b, seqlen_k_b, tile_args, slope, (n0 < full_lo) | (n0 >= full_hi),
                                 my_turn, other_turn, turns, s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG, BLOCK_N)
+                                HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, RESCALE_THRESHOLD, WG, PINGPONG, BLOCK_N)
                             acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
                             p_op = gl.convert_layout(p.to(dtype), p_layout)
                             it += 1
@@ -725,7 +746,8 @@ if AVAILABLE:
                                     row0, gl.convert_layout(m_i, half_row_layout),
                                     gl.convert_layout(l_i, half_row_layout), seqlen_q_b, seqlen_k_b, tile_args,
                                     slope, True, my_turn, other_turn, turns, half_s_layout, half_col_layout,
-                                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, WG,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED,
+                                    RESCALE_THRESHOLD, WG,
                                     PINGPONG, BLOCK_N // 2)
                                 m_i = gl.convert_layout(m_half, row_layout)
                                 l_i = gl.convert_layout(l_half, row_layout)
@@ -736,7 +758,8 @@ if AVAILABLE:
                                     tiles_done, it, turns, cleaned, q_buffer, lo, hi, seqlen_k_b, my_turn,
                                     other_turn, smem, bars, sizes, score_args, packing, TileList, programs, s_layout,
                                     col_layout, p_layout, row_layout, BLOCK_M, BLOCK_N, TILE_LIST, HAS_LEFT,
-                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, WG, PINGPONG,
+                                    HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED,
+                                    RESCALE_THRESHOLD, WG, PINGPONG,
                                     SHARE_QO, VARLEN, ACROSS_TILES)
                             else:
                                 acc, carried, it, turns, cleaned = _end_tile(
@@ -744,13 +767,14 @@ if AVAILABLE:
                                     lo, hi, seqlen_k_b, my_turn, other_turn, smem, bars, sizes, score_args, packing,
                                     TileList, programs, s_layout, col_layout, p_layout, row_layout, BLOCK_M, BLOCK_N,
                                     TILE_LIST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2,
-                                    EXP2_EMULATED, WG, PINGPONG, SHARE_QO, VARLEN, ACROSS_TILES)
+                                    EXP2_EMULATED, RESCALE_THRESHOLD, WG, PINGPONG, SHARE_QO, VARLEN, ACROSS_TILES)
                         else:
                             acc, carried, it, turns, cleaned = _end_tile(
                                 p_op, acc, carried, wave, count, first, tiles_done, it, turns, cleaned, q_buffer, lo,
                                 hi, seqlen_k_b, my_turn, other_turn, smem, bars, sizes, score_args, packing, TileList,
                                 programs, s_layout, col_layout, p_layout, row_layout, BLOCK_M, BLOCK_N, TILE_LIST,
-                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED, WG,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, EXP2_EMULATED,
+                                RESCALE_THRESHOLD, WG,
                                 PINGPONG, SHARE_QO, VARLEN, ACROSS_TILES)
                         if ACROSS_TILES:
                             next_p_op, next_m, next_l = carried
@@ -762,7 +786,7 @@ if AVAILABLE:
                                 q_tile, k_smem, k_ready, k_empty, it, n0, row0, m_i, l_i, seqlen_q_b, seqlen_k_b,
                                 tile_args, slope, (n0 < full_lo) | (n0 >= full_hi), my_turn, other_turn, turns,
                                 s_layout, col_layout, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2,
-                                EXP2_EMULATED, WG, PINGPONG)
+                                EXP2_EMULATED, RESCALE_THRESHOLD, WG, PINGPONG)
                             acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
                             p_op = gl.convert_layout(p.to(dtype), p_layout)
                             mbarrier.wait(v_ready.index(stage), phase)
@@ -806,6 +830,7 @@ if AVAILABLE:
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
         SCALE_IN_EXP2: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, TILE_LIST: gl.constexpr,
         SHARE_QO: gl.constexpr, VARLEN: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+        RESCALE_THRESHOLD: gl.constexpr,
         ACROSS_TILES: gl.constexpr, HAS_SINK: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
     ):
         CONSUMERS: gl.constexpr = BLOCK_M // 64
@@ -874,7 +899,8 @@ if AVAILABLE:
                              TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, HALF_DIAGONAL, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, RESCALE_THRESHOLD, HAS_SINK,
+                             HALF_DIAGONAL, 0)),
             ], [4], [CONSUMER_REGISTERS])
         elif CONSUMERS == 2:
             gl.warp_specialize([
@@ -883,10 +909,12 @@ if AVAILABLE:
                              TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, HALF_DIAGONAL, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, RESCALE_THRESHOLD, HAS_SINK,
+                             HALF_DIAGONAL, 0)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, HALF_DIAGONAL, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, RESCALE_THRESHOLD, HAS_SINK,
+                             HALF_DIAGONAL, 1)),
             ], [4, 4], [CONSUMER_REGISTERS] * 2)
         else:
             gl.warp_specialize([
@@ -895,11 +923,14 @@ if AVAILABLE:
                              TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, HALF_DIAGONAL, 0)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, RESCALE_THRESHOLD, HAS_SINK,
+                             HALF_DIAGONAL, 0)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, HALF_DIAGONAL, 1)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, RESCALE_THRESHOLD, HAS_SINK,
+                             HALF_DIAGONAL, 1)),
                 (_consumer, (descs, smem, bars, sizes, score_args, stats, packing, BLOCK_M, BLOCK_N, NUM_STAGES,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, SCALE_IN_EXP2, OVERLAP, PINGPONG,
-                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, HAS_SINK, HALF_DIAGONAL, 2)),
+                             TILE_LIST, SHARE_QO, VARLEN, ACROSS_TILES, EXP2_EMULATED, RESCALE_THRESHOLD, HAS_SINK,
+                             HALF_DIAGONAL, 2)),
             ], [4, 4, 4], [CONSUMER_REGISTERS] * 3)

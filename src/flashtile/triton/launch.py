@@ -518,9 +518,8 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
         HAS_RIGHT=flags["HAS_RIGHT"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], OVERLAP=tile.overlap, PINGPONG=tile.pingpong, TILE_LIST=tile_list,
         SHARE_QO=share_qo, VARLEN=varlen, CONSUMER_REGISTERS=tile.consumer_registers,
-        EXP2_EMULATED=tile.exp2_emulated, ACROSS_TILES=tile.across_tiles, HAS_SINK=p.has_sink,
-        HALF_DIAGONAL=tile.half_diagonal, num_warps=4,
-        maxnreg=tile.max_registers)
+        EXP2_EMULATED=tile.exp2_emulated, RESCALE_THRESHOLD=tile.rescale_threshold, ACROSS_TILES=tile.across_tiles,
+        HAS_SINK=p.has_sink, HALF_DIAGONAL=tile.half_diagonal, num_warps=4, maxnreg=tile.max_registers)
     return out, lse
 
 
