@@ -2,7 +2,7 @@
 
 For each cell (batch x cache length, 32 query heads on 8 K/V heads, d 128, bf16, contiguous or paged):
   api      flashtile.flash_attn_with_kvcache as users call it (do_bench median: host work included)
-  launch   flashtile.triton.launch.decode on an already validated call (no argument checks)
+  launch   flashtile.triton.decode.decode on an already validated call (no argument checks)
   host     microseconds of Python per API call (200 calls issued back to back, then one wait; only
            meaningful where the GPU is faster than the host, i.e. small caches)
   sdpa     torch SDPA's default on the same contiguous cache (do_bench median)
@@ -32,21 +32,21 @@ import triton.testing
 import flashtile
 from flashtile._validate import prepare_kvcache
 from flashtile.bench.decode import paged_cache
-from flashtile.triton import launch
+from flashtile.triton import decode as schedule
 
 from host_overhead import host_ms  # the script beside this one
 
 CELLS = [(1, 4096, 0), (1, 32768, 0), (1, 131072, 0), (8, 4096, 0), (8, 32768, 0), (8, 131072, 0),
          (64, 4096, 0), (64, 32768, 0), (8, 131072, 16), (8, 131072, 256), (1, 131072, 16)]
-TILES = [launch.DecodeTile(n, w, s, waves=2) for n, w, s in
+TILES = [schedule.DecodeTile(n, w, s, waves=2) for n, w, s in
          [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3), (16, 2, 8)]]
 SPLIT_FACTORS = (1, 2, 4)
 
 
-def parse_tile(text: str) -> launch.DecodeTile:
+def parse_tile(text: str) -> schedule.DecodeTile:
     """BLOCK_NxWARPSxSTAGES."""
     block_n, warps, stages = (int(x) for x in text.split("x"))
-    return launch.DecodeTile(block_n, warps, stages, waves=2)
+    return schedule.DecodeTile(block_n, warps, stages, waves=2)
 
 
 def graph_us(fn) -> float:
@@ -55,19 +55,19 @@ def graph_us(fn) -> float:
 
 def sweep_variants(call, batch: int, kv_bytes: int, tiles=TILES, split_factors=SPLIT_FACTORS, top: int = 4,
                    splits=()) -> None:
-    auto = launch.decode_geometry(call.problem, call.page_size, 0)
+    auto = schedule.decode_geometry(call.problem, call.page_size, 0)
     results = []
     page = call.page_size
     # split counts: the given ones, else multiples of two waves'
     counts = [(t, None, n) for t in tiles for n in splits] or [(t, f, None) for t in tiles for f in split_factors]
     for tile, factor, count in counts:
-        base = launch.decode_geometry(call.problem, call.page_size, 0, tile)
+        base = schedule.decode_geometry(call.problem, call.page_size, 0, tile)
         if count is None and factor > 1 and base.splits == 1 and batch * 8 >= 132:
             continue  # the heuristic's single split already fills the GPU
-        geometry = launch.decode_geometry(call.problem, call.page_size, count or base.splits * factor, tile)
+        geometry = schedule.decode_geometry(call.problem, call.page_size, count or base.splits * factor, tile)
         try:
-            launch.decode(call, 0, geometry)
-            us = graph_us(lambda: launch.decode(call, 0, geometry))
+            schedule.decode(call, 0, geometry)
+            us = graph_us(lambda: schedule.decode(call, 0, geometry))
         except Exception as error:  # noqa: BLE001 - a variant that does not compile is reported and skipped
             print(f"    {geometry.describe()}: {type(error).__name__}: {str(error)[:120]}")
             continue
@@ -116,7 +116,7 @@ def main() -> None:
             api()
             ms_api = triton.testing.do_bench(api, warmup=25, rep=100, return_mode="median")
             host_us = 1e3 * host_ms(api, calls=200)
-        ms_launch = triton.testing.do_bench(lambda: launch.decode(call, 0), warmup=25, rep=100, return_mode="median")
+        ms_launch = triton.testing.do_bench(lambda: schedule.decode(call, 0), warmup=25, rep=100, return_mode="median")
         line = (f"batch {batch:3d} cache {length:6d} page {page:3d}: api {ms_api * 1e3:8.1f} us "
                 f"({kv_bytes / ms_api / 1e6:6.0f} GB/s)  launch {ms_launch * 1e3:8.1f} us  host {host_us:6.1f} us/call")
         if not page:

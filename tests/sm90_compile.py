@@ -20,7 +20,7 @@ from flashtile.triton.decode import attention_decode_combine_kernel, attention_d
 from flashtile.triton.fwd import attention_fwd_kernel
 from flashtile.triton.fwd_tma import attention_fwd_tma_kernel
 from flashtile.triton.configs import default_tiles, fa4_tiles
-from flashtile.triton.launch import default_decode_tile, page_chunk
+from flashtile.triton.decode import default_decode_tile, page_chunk
 from flashtile.triton.append import kvcache_append_kernel
 from flashtile._validate import AttentionProblem
 

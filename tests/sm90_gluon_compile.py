@@ -153,13 +153,13 @@ def recorded_gluon_launch(problem, tile):
           else [None, None])
     slopes = torch.ones(1, p.nheads) if p.has_alibi else None
     sink = torch.zeros(p.nheads) if p.has_sink else None
-    saved = launchers._sm_count
-    launchers._sm_count = lambda device: 132  # an H200's SMs: the persistent grid's size
+    saved = launchers.sm_count
+    launchers.sm_count = lambda device: 132  # an H200's SMs: the persistent grid's size
     try:
         with recorded_launches() as recorded:
             launchers.forward_gluon(q, k, v, slopes, p, tile, *cu, learnable_sink=sink)
     finally:
-        launchers._sm_count = saved
+        launchers.sm_count = saved
     (launch,) = recorded
     return launch
 
@@ -236,8 +236,8 @@ def recorded_gluon_backward_launch(problem, overlap=False):
 
 
 NAMED = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "SCALE_IN_EXP2",
-         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "EXP2_EMULATED", "ACROSS_TILES", "CONSUMER_REGISTERS",
-         "HAS_SINK", "HALF_DIAGONAL", "maxnreg")
+         "OVERLAP", "PINGPONG", "TILE_LIST", "SHARE_QO", "VARLEN", "EXP2_EMULATED", "RESCALE_THRESHOLD", "ACROSS_TILES",
+         "CONSUMER_REGISTERS", "HAS_SINK", "HALF_DIAGONAL", "maxnreg")
 
 
 def _triton_ptxas_flags() -> list[str]:

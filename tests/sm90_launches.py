@@ -30,7 +30,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from flashtile._validate import AttentionProblem
-from flashtile.triton import configs, launch as launchers, relaunch
+from flashtile.triton import configs, decode as decode_schedule, launch as launchers, relaunch
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -56,7 +56,7 @@ def recorded_launches():
     """Replace the launchers' launch with a recorder (and let TMA descriptors be built over CPU tensors, as the
     sm_90 table would use them on a GPU); yields the list of RecordedLaunch."""
     recorded: list[RecordedLaunch] = []
-    saved = launchers.launch, launchers.interpreting, launchers.launch_fixed
+    saved = launchers.launch, launchers.interpreting, decode_schedule.launch_fixed
 
     def record(kernel, grid, tensors, scalars, **options):
         recorded.append(RecordedLaunch(kernel, tuple(grid), (*tensors, *scalars), options))
@@ -64,12 +64,13 @@ def recorded_launches():
     def record_fixed(fixed, grid, tensors):
         recorded.append(RecordedLaunch(fixed.kernel, tuple(grid), (*tensors, *fixed.scalars), fixed.options))
 
-    # interpreting: _tma_ready skips the device; launch_fixed: the decode kernels' launches (forward schedule 5)
-    launchers.launch, launchers.interpreting, launchers.launch_fixed = record, lambda: True, record_fixed
+    # interpreting: _tma_ready skips the device; the decode schedule's launch_fixed: the decode kernels' launches
+    # (forward schedule 5)
+    launchers.launch, launchers.interpreting, decode_schedule.launch_fixed = record, lambda: True, record_fixed
     try:
         yield recorded
     finally:
-        launchers.launch, launchers.interpreting, launchers.launch_fixed = saved
+        launchers.launch, launchers.interpreting, decode_schedule.launch_fixed = saved
 
 
 def problem_for(seqlen_q: int, seqlen_k: int, headdim: int, headdim_v: int, dtype: torch.dtype, causal: bool,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.triton import launch
+from flashtile.triton import decode, host, launch
 
 from conftest import DEVICE
 from sm90_launches import launches_of, problem_for
@@ -37,7 +37,7 @@ def test_forward_and_backward_grids_cover_every_program_along_axis_0(monkeypatch
 
 def test_a_split_decode_lays_splits_rows_and_heads_along_axis_0(monkeypatch):
     grids = []
-    monkeypatch.setattr(launch, "launch_fixed", lambda fixed, grid, tensors: grids.append(
+    monkeypatch.setattr(decode, "launch_fixed", lambda fixed, grid, tensors: grids.append(
         (fixed.kernel.fn.__name__, grid)))
     # recorded only: never written or read
     k_cache = torch.empty(BATCH, 256, NHEADS, 16, dtype=torch.float16, device=DEVICE)
@@ -52,5 +52,5 @@ def test_a_split_decode_lays_splits_rows_and_heads_along_axis_0(monkeypatch):
 
 def test_a_grid_past_cudas_axis_0_raises_instead_of_launching():
     with pytest.raises(ValueError, match=r"needs 2,147,483,648 programs, more than a CUDA grid axis holds"):
-        launch._grid(2**31)
-    assert launch._grid(2**31 - 1) == (2**31 - 1,)
+        host.program_grid(2**31)
+    assert host.program_grid(2**31 - 1) == (2**31 - 1,)

@@ -149,7 +149,7 @@ def test_query_groups_larger_than_one_tile(backend, seed):
 
 
 def test_split_heuristic_fills_the_gpu_only_when_needed():
-    from flashtile.triton.launch import choose_num_splits
+    from flashtile.triton.decode import choose_num_splits
 
     assert choose_num_splits(programs=264, key_blocks=2048, sm_count=132) == 1  # batch x heads fill the GPU
     assert choose_num_splits(programs=64, key_blocks=2048, sm_count=132) == 8  # four programs per SM, not a few more
@@ -170,10 +170,10 @@ def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monke
     outnumber a split's key blocks) and 64-key blocks when not, and an explicit split count picks the tile by whether
     it splits."""
     from flashtile._validate import prepare_kvcache
-    from flashtile.triton import launch
+    from flashtile.triton import decode as schedule
 
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
-    launch.decode_geometry.cache_clear()  # entries computed for the interpreter's pretend GPU
+    monkeypatch.setattr(schedule, "sm_count", lambda device: 132)
+    schedule.decode_geometry.cache_clear()  # entries computed for the interpreter's pretend GPU
 
     def geometry(batch, length, page=None, num_splits=0):
         q = torch.randn(batch, 1, 32, 16)
@@ -182,7 +182,7 @@ def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monke
         call = prepare_kvcache(q, k_cache, k_cache, None, None, length, table, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=num_splits,
                                return_softmax_lse=False)
-        found = launch.decode_geometry(call.problem, call.page_size, num_splits)
+        found = schedule.decode_geometry(call.problem, call.page_size, num_splits)
         return found.splits, found.block_n, found.num_stages
 
     try:
@@ -203,7 +203,7 @@ def test_split_launches_take_their_own_tiles_only_where_the_keys_are_split(monke
         assert geometry(1, 32768, num_splits=1) == (1, 64, 2)
         assert geometry(1, 32768, num_splits=3) == (3, 64, 3)
     finally:
-        launch.decode_geometry.cache_clear()
+        schedule.decode_geometry.cache_clear()
 
 
 def test_rows_without_keys_get_zero_and_minus_infinity():
@@ -352,9 +352,9 @@ def test_decode_plans_are_kept_per_layout_and_serve_each_calls_tensors(monkeypat
     """The Triton decode keeps its launch constants per validated layout: a later step with the same
     layout (new q, cache contents and lengths) reuses the plan and still reads its own tensors; caches with
     other strides (a view into wider rows) are another layout with a plan of their own."""
-    from flashtile.triton import launch
+    from flashtile.triton import decode as schedule
 
-    monkeypatch.setattr(launch, "_DECODE_PLANS", {})
+    monkeypatch.setattr(schedule, "_DECODE_PLANS", {})
 
     def step(**changes):
         args = _call(**changes)
@@ -366,9 +366,9 @@ def test_decode_plans_are_kept_per_layout_and_serve_each_calls_tensors(monkeypat
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
     step()
-    assert len(launch._DECODE_PLANS) == 1
+    assert len(schedule._DECODE_PLANS) == 1
     step(cache_seqlens=lambda a: torch.tensor([60, 17, 1], dtype=torch.int32, device=DEVICE))
-    assert len(launch._DECODE_PLANS) == 1, "a step with the same layout built a new plan"
+    assert len(schedule._DECODE_PLANS) == 1, "a step with the same layout built a new plan"
 
     def wider(name):
         def view(args):
@@ -378,7 +378,7 @@ def test_decode_plans_are_kept_per_layout_and_serve_each_calls_tensors(monkeypat
             return rows[..., :cache.shape[-1]]
         return view
     step(k_cache=wider("k_cache"), v_cache=wider("v_cache"))
-    assert len(launch._DECODE_PLANS) == 2
+    assert len(schedule._DECODE_PLANS) == 2
 
 
 @pytest.mark.parametrize("num_splits", (1, 3))
@@ -435,7 +435,7 @@ def test_paged_decode_reads_each_key_block_from_its_page(page_size, block_n, num
     page, 16-key blocks walking several pages, 128-key blocks within one and 64-key blocks over four, against the
     oracle; a table entry past every sequence's pages is never followed."""
     from flashtile._validate import prepare_kvcache
-    from flashtile.triton import launch
+    from flashtile.triton import decode as schedule
 
     lengths, max_blocks = [3 * page_size - 5, page_size + 1], 4
     num_blocks = len(lengths) * max_blocks + 1
@@ -449,8 +449,9 @@ def test_paged_decode_reads_each_key_block_from_its_page(page_size, block_n, num
     call = prepare_kvcache(q, k_cache, v_cache, None, None, cache_seqlens, table, softmax_scale=None, causal=True,
                            window_size=(page_size + 7, 0), softcap=0.0, alibi_slopes=None, num_splits=num_splits,
                            return_softmax_lse=True, check_values=False)
-    geometry = launch.decode_geometry(call.problem, page_size, num_splits, launch.DecodeTile(block_n, 2, 3, waves=2))
-    out, lse = launch.decode(call, num_splits, geometry)
+    tile = schedule.DecodeTile(block_n, 2, 3, waves=2)
+    geometry = schedule.decode_geometry(call.problem, page_size, num_splits, tile)
+    out, lse = schedule.decode(call, num_splits, geometry)
     for b, length in enumerate(lengths):
         keys, values = logical(k_cache, table, b, length), logical(v_cache, table, b, length)
         want, want_lse = flash_attn_reference(q[b:b + 1], keys[None], values[None], causal=True,
@@ -482,17 +483,17 @@ def test_default_decode_tile_per_cache_layout():
     """Unsplit launches share one measured tile; split launches over a contiguous cache take one of their own, over
     pages a multiple of 64 keys the same blocks with splits of fewer key blocks, and over other page sizes (multiples
     of 16) 16-key blocks, which divide the page."""
-    from flashtile.triton import launch
+    from flashtile.triton import decode as schedule
 
     for page_size in (None, 16, 96, 64, 256):
-        assert launch.default_decode_tile(page_size) is launch.DECODE_TILE
-    assert launch.default_decode_tile(None, split=True) is launch.DECODE_TILE_CONTIGUOUS_SPLIT
-    assert launch.default_decode_tile(256, split=True) is launch.DECODE_TILE_LARGE_PAGES_SPLIT
-    assert launch.default_decode_tile(64, split=True) is launch.DECODE_TILE_LARGE_PAGES_SPLIT
-    assert launch.default_decode_tile(16, split=True) is launch.DECODE_TILE_SMALL_PAGES
-    assert launch.default_decode_tile(96, split=True) is launch.DECODE_TILE_SMALL_PAGES
+        assert schedule.default_decode_tile(page_size) is schedule.DECODE_TILE
+    assert schedule.default_decode_tile(None, split=True) is schedule.DECODE_TILE_CONTIGUOUS_SPLIT
+    assert schedule.default_decode_tile(256, split=True) is schedule.DECODE_TILE_LARGE_PAGES_SPLIT
+    assert schedule.default_decode_tile(64, split=True) is schedule.DECODE_TILE_LARGE_PAGES_SPLIT
+    assert schedule.default_decode_tile(16, split=True) is schedule.DECODE_TILE_SMALL_PAGES
+    assert schedule.default_decode_tile(96, split=True) is schedule.DECODE_TILE_SMALL_PAGES
     for page_size in range(16, 1025, 16):
-        assert page_size % launch.default_decode_tile(page_size, split=True).block_n == 0
+        assert page_size % schedule.default_decode_tile(page_size, split=True).block_n == 0
 
 
 # cache_batch_idx and cache_leftpad (contiguous caches): sequence b lives in row ROWS[b] of a 5-row cache, its cached

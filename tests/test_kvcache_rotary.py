@@ -306,7 +306,7 @@ def _kernel_and_torch_path(case, dtype, cache_seqlens=CACHED, check_values=None,
     """The validated call run by the kernel and by the torch path on copies of one cache: (kernel's call, torch's
     call, the caller's q, k and v, their copies before the calls). table maps each random table to the one used;
     inputs may overwrite q, k, v, cos, sin in place; rotary=False: the call without tables (the append alone)."""
-    from flashtile.triton.launch import append_to_cache
+    from flashtile.triton.append import append_to_cache
 
     caches, _, (block_table, _, _, extra), (q, k, v), (cos, sin) = setup(case, dtype)
     if table is not None:
@@ -377,14 +377,14 @@ def test_the_append_kernel_without_tables_gives_the_bits_of_the_torch_append(cas
 
 def test_the_append_kernel_without_new_tokens_leaves_the_cache_alone():
     """A call without k and v (k_new None) launches nothing and writes nothing."""
-    from flashtile.triton import launch
+    from flashtile.triton.append import append_to_cache
 
     caches, before, (block_table, _, _, _), (q, _, _), _ = setup(KERNEL_CASES["decode-paged-halves-full-causal"],
                                                                  torch.float32)
     call = prepare_kvcache(q, *caches, None, None, torch.tensor(CACHED, dtype=torch.int32, device=DEVICE),
                            block_table, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, num_splits=0, return_softmax_lse=False)
-    launch.append_to_cache(call)
+    append_to_cache(call)
     assert call.q is q or torch.equal(call.q, q)
     for cache, old in zip(caches, before):
         assert torch.equal(cache, old)
@@ -431,7 +431,7 @@ def test_the_rotary_kernel_clamps_positions_into_the_tables():
 def test_the_rotary_kernel_drops_appends_outside_the_cache():
     """Unchecked cache_seqlens reaching past the capacity and cache rows outside the cache (check_values=False):
     those tokens are not written (the torch path stops at its index check there); the rest is."""
-    from flashtile.triton.launch import append_to_cache
+    from flashtile.triton.append import append_to_cache
 
     case = dict(KERNEL_CASES["indexed-halves-partial-window"], seqlen_new=3)
     caches, before, _, (q, k, v), (cos, sin) = setup(case, torch.float32)

@@ -392,10 +392,10 @@ def test_tile_table_uses_the_one_launch_backward_only_where_it_was_measured_to_p
 def test_pipelined_kernels_pad_a_narrow_value_tile_to_the_key_tile_when_the_key_tile_is_padded():
     """The workaround for triton 3.6's out-of-range shared reads (d 40 with dv < 32 on an H200): only where the
     q/k head dim is padded and the value tile is narrower; every other width pair is left alone."""
-    from flashtile.triton.launch import _forward_widths
+    from flashtile.triton.host import forward_widths
 
     def widths(d, block_d, dv, block_dv):
-        flags = _forward_widths(dict(HEADDIM=d, BLOCK_D=block_d, HEADDIM_V=dv, BLOCK_DV=block_dv))
+        flags = forward_widths(dict(HEADDIM=d, BLOCK_D=block_d, HEADDIM_V=dv, BLOCK_DV=block_dv))
         return flags["BLOCK_D"], flags["BLOCK_DV"]
 
     assert widths(40, 64, 8, 16) == (64, 64)

@@ -27,10 +27,20 @@ token's writes: unchecked values can never make the kernel write outside the cac
 Without ROTARY the kernel copies bits (any dtype the cache holds) and never reads Q, Cos, Sin or QOut. Limitations:
 float32 rotation only (no float64: the Triton backend does not take it); nothing is returned for the rotated new keys
 other than the cache entries.
+
+The launcher, append_to_cache, follows the kernel: one launch per call, fixed per validated cache layout.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+
+from .host import cdiv, next_power_of_2, program_grid, row_strides
+from .relaunch import FixedLaunch, launch_fixed
 
 
 @triton.jit
@@ -165,3 +175,94 @@ def kvcache_append_kernel(
         _copy_heads(VNew + b * stride_vnb + t * stride_vnm, stride_vnh, stride_vnd,
                     VCache + cache_row * stride_vb + slot * stride_vn, stride_vh, heads, head_block, HEADDIM_V, BLOCK_H,
                     BLOCK_DV)
+
+
+# Elements of one (heads x dims) tile of kvcache_append_kernel: a block of heads per program, all of a GQA group's K/V
+# heads and the 32 query heads of a d = 128 model in one program
+APPEND_TILE_ELEMENTS = 4096
+
+
+@dataclass(frozen=True)
+class _AppendPlan:
+    """append_to_cache()'s launch, fixed per validated layout like a decode plan."""
+
+    grid: tuple  # three ints
+    kernel: FixedLaunch  # kvcache_append_kernel with its strides, sizes and constexprs
+    rotary: bool  # the call has rotary tables: q is rotated into a new tensor of q_shape
+    q_shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _new_tokens(call) -> tuple:
+    """The call's new keys and values, or empty views of the cache where it has none (rotary tables rotate q alone)."""
+    if call.k_new is None:
+        return call.k_cache[:, :0], call.v_cache[:, :0]
+    return call.k_new, call.v_new
+
+
+def _append_plan(call) -> _AppendPlan:
+    q, k_cache, v_cache = call.q, call.k_cache, call.v_cache
+    k_new, v_new = _new_tokens(call)
+    layout = call.layout
+    rotary = call.rotary_cos is not None
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_new, nheads_k, headdim_v = k_new.shape[1], k_new.shape[2], v_new.shape[3]
+    half = layout.rotary_dim // 2 if rotary else 0
+    # a block of heads covers the query heads with tables (its programs rotate q), the K/V heads without
+    block_h = min(next_power_of_2(nheads if rotary else nheads_k),
+                  max(1, APPEND_TILE_ELEMENTS // next_power_of_2(max(headdim, headdim_v))))
+    out_strides = row_strides(torch.empty(q.shape, device="meta"), 1)  # append_to_cache allocates it contiguous
+    table_stride = call.block_table.stride(0) if call.block_table is not None else 0
+    table_strides = (*call.rotary_cos.stride(), *call.rotary_sin.stride()) if rotary else (0, 0, 0, 0)
+    kernel = FixedLaunch(
+        kvcache_append_kernel,
+        (*row_strides(q, 1), *k_new.stride(), *v_new.stride(), *table_strides, *out_strides,
+         *row_strides(k_cache, 1), *row_strides(v_cache, 1), table_stride,
+         batch, seqlen_q, seqlen_new, nheads, nheads_k, layout.rotary_len if rotary else 1, call.capacity,
+         call.page_size or 1, k_cache.shape[0]),
+        dict(HEADDIM=headdim, HEADDIM_V=headdim_v, ROTARY_HALF=half, INTERLEAVED=rotary and layout.rotary_interleaved,
+             ROTARY=rotary, Q_SHIFTED=rotary and layout.rotary_shifted, PAGED=call.page_size is not None,
+             HAS_BATCH_IDX=call.cache_batch_idx is not None, BLOCK_H=block_h, BLOCK_R=next_power_of_2(max(1, half)),
+             BLOCK_P=next_power_of_2(max(1, headdim - 2 * half)), BLOCK_DV=next_power_of_2(headdim_v),
+             num_warps=4,
+             # every product and sum rounded on its own, as torch's eager rotate rounds them: the same bits
+             enable_fp_fusion=False))
+    rows = batch * (seqlen_q + seqlen_new) if rotary else batch * seqlen_new
+    grid = (*program_grid(rows), cdiv(nheads if rotary else nheads_k, block_h), 1)
+    return _AppendPlan(grid, kernel, rotary, tuple(q.shape), q.dtype, q.device)
+
+
+# Append plans by validated layout (compared by identity, as _DECODE_PLANS)
+_APPEND_PLANS: dict = {}
+MAX_APPEND_PLANS = 1024  # validated layouts whose plans are kept (then the cache starts over)
+
+
+def append_to_cache(call) -> None:
+    """Append the new keys and values of a KV-cache call (kvcache.KVCacheCall) to its cache in one launch of
+    kvcache_append_kernel; with rotary tables the same launch rotates q and the new keys first.
+
+    Writes k_cache / v_cache in place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1. With tables
+    it replaces call.q by a new contiguous (batch, seqlen_q, nheads, headdim) tensor in q's dtype holding the rotated
+    queries (the caller's q is not modified); call.k_new keeps the caller's unrotated keys: after the append only its
+    length is read. The same bits as kvcache.apply_rotary then kvcache.append_to_cache for fp16, bf16 and fp32,
+    except that an append outside the cache (values check_values did not check) is dropped instead of stopping at
+    torch's index check. Nothing is read back from the GPU.
+    """
+    if call.k_new is None and call.rotary_cos is None:
+        return
+    plan = _APPEND_PLANS.get(call.layout)
+    if plan is None:
+        if len(_APPEND_PLANS) >= MAX_APPEND_PLANS:
+            _APPEND_PLANS.clear()
+        plan = _APPEND_PLANS[call.layout] = _append_plan(call)
+    # without tables q is never read or written: an absent tensor is passed as cache_seqlens (int32, never read)
+    q_out = torch.empty(plan.q_shape, dtype=plan.dtype, device=plan.device) if plan.rotary else call.cache_seqlens
+    if plan.grid[0]:
+        table = call.cache_seqlens if call.block_table is None else call.block_table
+        batch_idx = call.cache_seqlens if call.cache_batch_idx is None else call.cache_batch_idx
+        cos, sin = (call.rotary_cos, call.rotary_sin) if plan.rotary else (call.cache_seqlens, call.cache_seqlens)
+        launch_fixed(plan.kernel, plan.grid, (call.q, *_new_tokens(call), cos, sin, call.cache_seqlens, table,
+                                              batch_idx, q_out, call.k_cache, call.v_cache))
+    if plan.rotary:
+        call.q = q_out

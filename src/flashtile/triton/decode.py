@@ -26,12 +26,29 @@ Key positions are bottom-right aligned per sequence (query token i sits at posit
 length - seqlen_q + i), so causal and windows mean what they mean in flash_attn_with_kvcache. Key
 blocks outside the band are skipped; every visited block applies the element mask (decoding is
 bound by memory traffic, not by the mask).
+
+The decode schedule's host side follows the kernels: its tiles per cache layout (DecodeTile, default_decode_tile),
+how a call covers the GPU (decode_geometry, choose_num_splits), the launch plan fixed per validated layout, decode()
+itself, and forward_by_decode, which runs a flash_attn_func call of a few query rows by these kernels.
 """
 
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
+from .._validate import AttentionProblem
+from ..errors import BackendUnavailableError
+from . import configs
 from .common import finish_rows, initial_row_stats, online_softmax_step, program_coordinates, scores
+from .host import (cdiv, dot_precision, forward_widths, next_power_of_2, program_grid, row_strides, score_constants,
+                   sink_arg, slopes_arg, sm_count)
+from .relaunch import FixedLaunch, launch_fixed
 
 
 @triton.jit
@@ -193,3 +210,251 @@ def attention_decode_combine_kernel(
                  out.to(Out.dtype.element_ty), mask=offs_dv < HEADDIM_V)
         if STORE_LSE:
             tl.store(Lse + (b * nheads + h) * seqlen_q + i, lse)
+
+
+def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4, min_blocks: int = 4,
+                      max_splits: int = 64) -> int:
+    """Flash-Decoding's split count: as many programs as fit in `waves` programs per SM, never a few more
+    (at batch 8 x 8 K/V heads on an H200, 8 splits, 512 programs, read the cache up to 8% faster than 9,
+    576, contiguous and 16-key pages alike, with one tie), each split keeping at least `min_blocks` key blocks
+    (so the merge stays cheap next to the reads), at most `max_splits` splits (a tile's own limits, DecodeTile)."""
+    if programs >= sm_count:
+        return 1
+    wanted = waves * sm_count // max(1, programs)
+    return max(1, min(wanted, key_blocks // min_blocks, max_splits))
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, the waves of
+    programs the split count aims for, and the split count's limits (key blocks a split keeps at least, splits at
+    most; choose_num_splits). In a paged cache a key block looks its page up once where block_n divides the page
+    size, else once per run of gcd(block_n, page_size) keys (both are multiples of 16)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    waves: int
+    min_blocks_per_split: int = 4
+    max_splits: int = 64
+
+
+# Decode tiles. Why each, with its measurements: docs/decode.md (paged reads) and docs/tuning.md (the tiles); numbers
+# from benchmarks/tune_decode.py on an H200 (bf16, d = 128, 32 query heads on 8 K/V heads, kernels from CUDA graphs),
+# raw results in benchmarks/results/raw/ under the names given.
+# Unsplit launches, contiguous or paged: 64-key blocks, 2 stages (3 lost 5-25% at batch 8 and 64), about four waves;
+# a block over smaller pages looks up each page it spans (pages of 16, 64 x 32k: 1,963 us against 2,033 for 16-key
+# blocks). Raw: 2026-11-29-h200-tune-decode.txt, 2026-11-30-h200-s16-call4-page16-tiles.txt
+DECODE_TILE = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
+# Split launches over pages of a multiple of 64 keys: the same tile, one page lookup per block, down to 2 key blocks a
+# split so that short caches get more programs (1 x 4k: 9.3 us at 32 splits against 10.2 at 16).
+# Raw: 2026-11-30-h200-s15-call2-varlen-fix-decode-tiles.txt, 2026-12-01-h200-s19-call3-variants.txt
+DECODE_TILE_LARGE_PAGES_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4, min_blocks_per_split=2)
+# Split launches over a contiguous cache: 3 stages at about two waves, two programs per SM with more bytes in flight
+# each (up to 7% faster at batch 1 and 8); not for paged caches, whose page lookups need more programs in flight.
+# Raw: 2026-11-30-h200-s16-call2-decode-stages-packed-d64.txt
+DECODE_TILE_CONTIGUOUS_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=3, waves=2)
+# Split launches over other pages (every page size is a multiple of 16): 16-key blocks, one lookup each, 2 warps and
+# 8 stages so that enough copies stay in flight (pages of 16, 8 x 128k: 1,008 us against 1,196 with a lookup per key).
+# Raw: 2026-11-30-h200-s12-call2-page16-tiles.txt
+DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
+# Short caches in such pages, where DECODE_TILE_SMALL_PAGES would leave a split no more key blocks than stages (the
+# pipeline never fills): 4 stages, eight waves, down to 2 key blocks a split, up to 128 splits (pages of 16, 1 x 4k:
+# 10.0 us against 10.9). Raw: 2026-11-30-h200-s18-call8-smallpages.txt, 2026-11-30-h200-s18-call9-variants.txt
+DECODE_TILE_SHORT_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=4, waves=8, min_blocks_per_split=2,
+                                           max_splits=128)
+
+
+def page_chunk(block_n: int, page_size: int | None) -> int:
+    """Keys per page lookup in a key block (the decode kernel's PAGE_CHUNK): block_n where it divides the page size
+    (and for a contiguous cache), else the runs of gcd(block_n, page_size) keys that lie in one page."""
+    return math.gcd(block_n, page_size or block_n)
+
+
+def default_decode_tile(page_size: int | None, split: bool = False) -> DecodeTile:
+    """The decode tile for a contiguous cache (page_size None) or a paged one; split: whether the launch splits
+    each sequence's keys (a contiguous cache, and pages that are not a multiple of 64 keys, then take their own)."""
+    if page_size is None:
+        return DECODE_TILE_CONTIGUOUS_SPLIT if split else DECODE_TILE
+    if not split:
+        return DECODE_TILE
+    if page_size % DECODE_TILE.block_n == 0:
+        return DECODE_TILE_LARGE_PAGES_SPLIT
+    return DECODE_TILE_SMALL_PAGES
+
+
+@dataclass(frozen=True)
+class DecodeGeometry:
+    """How attention_decode_kernel covers a KV-cache call: rows per program (a GQA group's query heads x
+    query tokens), keys per block, the split of each sequence's key blocks, warps and pipeline stages."""
+
+    block_m: int
+    row_blocks: int
+    block_n: int
+    splits: int
+    blocks_per_split: int
+    num_warps: int
+    num_stages: int
+
+    def describe(self) -> str:
+        merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
+        return (f"attention_decode_kernel{merge}: {self.row_blocks} x {self.block_m} rows per (batch, K/V head) "
+                f"(query heads of a group x query tokens), {self.block_n}-key blocks, {self.splits} split(s) of "
+                f"up to {self.blocks_per_split} blocks, {self.num_warps} warps, {self.num_stages} stages")
+
+
+@functools.lru_cache(maxsize=256)
+def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits: int,
+                    tile: DecodeTile | None = None) -> DecodeGeometry:
+    """The launch shape for a KV-cache problem (problem.seqlen_k is the cache capacity); tile overrides
+    the layout's default. Cached: a decode loop asks for the same geometry at every step."""
+    rows = problem.group_size * problem.seqlen_q
+    block_m = min(64, max(16, next_power_of_2(rows)))
+    row_blocks = cdiv(rows, block_m)
+
+    def key_blocks_and_splits(tile: DecodeTile) -> tuple[int, int]:
+        key_blocks = max(1, cdiv(problem.seqlen_k, tile.block_n))
+        return key_blocks, num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
+                                                           sm_count(problem.device), tile.waves,
+                                                           tile.min_blocks_per_split, tile.max_splits)
+
+    if tile is None:
+        # the layout's tile for split launches where the keys do end up split, else its unsplit tile
+        tile = default_decode_tile(page_size, split=True)
+        key_blocks, splits = key_blocks_and_splits(tile)
+        if splits == 1:
+            tile = default_decode_tile(page_size)
+        elif tile is DECODE_TILE_SMALL_PAGES and cdiv(key_blocks, splits) <= tile.num_stages:
+            tile = DECODE_TILE_SHORT_SMALL_PAGES
+    key_blocks, splits = key_blocks_and_splits(tile)
+    blocks_per_split = cdiv(key_blocks, max(1, min(splits, key_blocks)))
+    return DecodeGeometry(block_m, row_blocks, tile.block_n, cdiv(key_blocks, blocks_per_split),
+                          blocks_per_split, tile.num_warps, tile.num_stages)
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """Everything a KV-cache call's launches take but the tensors, for one validated layout (see decode())."""
+
+    grid: tuple  # three ints
+    kernel: FixedLaunch  # attention_decode_kernel with its strides, sizes, score scalars and constexprs
+    combine_grid: tuple
+    combine: FixedLaunch | None  # attention_decode_combine_kernel, when the keys are split
+    out_shape: tuple
+    lse_shape: tuple | None  # None: the caller did not ask for lse, and the kernels do not store it
+    part_floats: int  # floats of the split partial outputs followed by their lse (0 when not split)
+    dtype: torch.dtype  # q's, and out's
+    device: torch.device
+
+
+def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precision: str, slopes_stride: int,
+                 table: torch.Tensor) -> _DecodePlan:
+    """decode()'s launch plan, built from the first call of a layout (a layout's signature fixes every stride
+    and size read here: q's, the caches', the block table's, the slopes')."""
+    p, q, k_cache, v_cache = call.problem, call.q, call.k_cache, call.v_cache
+    batch, seqlen_q = q.shape[:2]
+    shape = geometry or decode_geometry(p, call.page_size, num_splits)
+    scalars, flags = score_constants(p, 0, precision)
+    flags = forward_widths(flags)
+    # a KV cache takes no attn_mask; and the decode kernel keeps its scores scaled and masked per element (see
+    # decode.py: memory-bound, it gains nothing from the fused exponent, and the per-row band cost it 18% at batch 64)
+    del flags["MASK_KIND"], flags["SCALE_IN_EXP2"]
+    _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
+    out_shape = (batch, seqlen_q, p.nheads, p.headdim_v)
+    out_strides = row_strides(torch.empty(out_shape, device="meta"), 1)  # decode() allocates out contiguous
+    tile_rows = p.group_size * seqlen_q  # the rows of a (batch, K/V head) tile that exist (not its padding)
+    # the split partials: outputs (batch * nheads_k, splits, tile_rows, BLOCK_DV), then their lse from part_lse_start
+    partial_rows = batch * p.nheads_k * shape.splits * tile_rows if shape.splits > 1 else 0
+    part_lse_start = partial_rows * flags["BLOCK_DV"]
+    seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
+    store_lse = call.layout.return_lse
+    kernel = FixedLaunch(
+        attention_decode_kernel,
+        (*row_strides(q, 1), *row_strides(k_cache, 1), *row_strides(v_cache, 1), table.stride(0), slopes_stride,
+         *out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
+         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, shape.splits, shape.row_blocks, tile_rows,
+         part_lse_start, score_scale,
+         softcap_scale, softcap_out, window_left, window_right),
+        dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
+             PAGE_CHUNK=page_chunk(shape.block_n, call.page_size),
+             SPLIT=shape.splits > 1, STORE_LSE=store_lse, HAS_BATCH_IDX=call.cache_batch_idx is not None,
+             HAS_LEFTPAD=call.cache_leftpad is not None,
+             # the sink enters once: here when the keys are not split, else in the combine kernel's merge
+             HAS_SINK=p.has_sink and shape.splits == 1,
+             num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
+    combine = None
+    if shape.splits > 1:
+        combine = FixedLaunch(
+            attention_decode_combine_kernel,
+            (*out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, shape.splits, tile_rows, part_lse_start),
+            dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=next_power_of_2(shape.splits),
+                 STORE_LSE=store_lse, HAS_SINK=p.has_sink))
+    # one-axis grids (common.program_coordinates), kept as three ints for the relaunch
+    return _DecodePlan((*program_grid(shape.splits * shape.row_blocks * batch * p.nheads_k), 1, 1), kernel,
+                       (*program_grid(tile_rows * batch * p.nheads_k), 1, 1), combine, out_shape,
+                       (batch, p.nheads, seqlen_q) if store_lse else None, part_lse_start + partial_rows, q.dtype,
+                       q.device)
+
+
+# Plans by (validated layout, split request, geometry override, dot precision). A layout is compared by
+# identity and held by its key here, so a plan is never found for another layout's tensors.
+_DECODE_PLANS: dict = {}
+MAX_DECODE_PLANS = 1024
+
+
+def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
+    """Attention over a KV cache (kvcache.KVCacheCall, new tokens already appended): returns out
+    (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32, or None
+    for lse when the call did not ask for it (call.layout.return_lse).
+
+    num_splits 0 lets choose_num_splits decide; the count is capped by the number of key blocks.
+    geometry overrides decode_geometry's choice (for tuning scripts). Nothing is read back from the GPU.
+    The launch constants (strides, sizes, score scalars, constexprs) are computed once per validated
+    layout (call.layout) and reused: a decode loop's steps differ only in their tensors.
+    """
+    q = call.q
+    precision = dot_precision(q.dtype)
+    key = (call.layout, num_splits, geometry, precision)
+    slopes, slopes_stride = slopes_arg(q, call.alibi_slopes)
+    sink = sink_arg(q, call.learnable_sink)
+    table = call.block_table if call.block_table is not None else call.cache_seqlens  # never read if contiguous
+    plan = _DECODE_PLANS.get(key)
+    if plan is None:
+        if len(_DECODE_PLANS) >= MAX_DECODE_PLANS:
+            _DECODE_PLANS.clear()
+        plan = _DECODE_PLANS[key] = _decode_plan(call, num_splits, geometry, precision, slopes_stride, table)
+    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
+    lse = None if plan.lse_shape is None else torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    if plan.out_shape[0] == 0:
+        return out, lse
+    lse_arg = out if lse is None else lse  # never written without STORE_LSE
+    # one allocation for the partial outputs and their lse (a host-bound decode step feels each torch.empty)
+    part = lse_arg if plan.combine is None else torch.empty(plan.part_floats, dtype=torch.float32, device=plan.device)
+    # absent index tensors are passed as cache_seqlens (int32, never read)
+    batch_idx = call.cache_seqlens if call.cache_batch_idx is None else call.cache_batch_idx
+    leftpad = call.cache_seqlens if call.cache_leftpad is None else call.cache_leftpad
+    launch_fixed(plan.kernel, plan.grid, (q, call.k_cache, call.v_cache, call.cache_seqlens, table, batch_idx, leftpad,
+                                          slopes, sink, out, lse_arg, part))
+    if plan.combine is not None:
+        launch_fixed(plan.combine, plan.combine_grid, (part, out, lse_arg, sink))
+    return out, lse
+
+
+def forward_by_decode(q, k, v, alibi_slopes, problem: AttentionProblem, learnable_sink=None):
+    """A dense call's forward by the decode kernels (forward schedule 5, configs.decode_forward): k and v (batch,
+    seqlen_k, nheads_k, dim) as full KV caches of seqlen_k keys, as flash_attn_with_kvcache(q, k, v,
+    cache_seqlens=seqlen_k) runs them, whose band rule (aligned to each sequence's last key) is the call's. Returns
+    out, lse as forward(). Raises BackendUnavailableError for a call the decode kernels do not serve (a tile setting
+    that forces the schedule onto one)."""
+    from .._validate import prepare_kvcache  # the KV cache's validation: its layouts key the decode plans
+
+    p = problem
+    reason = configs.decode_forward_unserved_reason(p)
+    if reason:
+        raise BackendUnavailableError(f"forward_schedule=5 of backend 'triton' cannot serve this call: {reason}")
+    # alibi_slopes comes as (batch or 1, nheads); the KV cache takes (nheads,) or (batch, nheads)
+    slopes = alibi_slopes[0] if alibi_slopes is not None and alibi_slopes.shape[0] == 1 else alibi_slopes
+    call = prepare_kvcache(q, k, v, None, None, p.seqlen_k, None, softmax_scale=p.softmax_scale, causal=False,
+                           window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,
+                           num_splits=0, return_softmax_lse=True, check_values=False, learnable_sink=learnable_sink)
+    return decode(call, 0)

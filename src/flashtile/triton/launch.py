@@ -1,5 +1,9 @@
 """Launchers: allocate outputs, compute grids, pass strides, pick constexprs for the Triton kernels.
 
+The entry points the backend calls (_dispatch.TritonBackend): forward, paged_varlen_forward and backward here, and
+the decode schedule's decode and decode_geometry (decode.py) and the KV-cache append's append_to_cache (append.py),
+which this module passes on. Host-side arguments every launcher shares are in host.py.
+
 Layout contract (shared with the torch backend): q (batch, seqlen_q, nheads, headdim), k and v
 (batch, seqlen_k, nheads_k, headdim[_v]) with unit-stride last dims and any other strides;
 out (batch, seqlen_q, nheads, headdim_v) and gradients are returned contiguous in the inputs'
@@ -13,9 +17,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,12 +27,11 @@ from .. import _dropout
 from .._geometry import visible_key_range
 from .._sink import sink_gradient
 from .._validate import AttentionProblem
-from .common import LOG2E
 from .bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_kernel,
                   attention_bwd_preprocess_kernel)
 from . import configs
 from .configs import GluonTile, TritonTiles, interpreting
-from .decode import attention_decode_combine_kernel, attention_decode_kernel
+from .decode import decode, decode_geometry, forward_by_decode  # noqa: F401 - decode, decode_geometry: entry points
 from ..errors import BackendUnavailableError
 from .fwd import attention_fwd_kernel
 from .fwd_fa1 import launch_fa1
@@ -39,8 +40,10 @@ from . import gluon_compat
 from .bwd_gluon import WARPGROUP_KEYS, attention_bwd_dkdv_gluon_kernel
 from .bwd_gluon_fused import attention_bwd_dq_convert_kernel, attention_bwd_fused_gluon_kernel
 from .fwd_gluon import WARPGROUP_ROWS, attention_fwd_gluon_kernel
-from .relaunch import FixedLaunch, launch, launch_fixed
-from .append import kvcache_append_kernel
+from .relaunch import launch
+from .append import append_to_cache  # noqa: F401 - an entry point
+from .host import (cdiv, dot_precision, forward_widths, program_grid, row_strides, score_constants, sink_arg,
+                   slopes_arg, sm_count)
 
 configs.record_kernel_mode(attention_fwd_kernel)
 
@@ -48,87 +51,16 @@ configs.record_kernel_mode(attention_fwd_kernel)
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions in recent
 # Triton (triton 3.9 on the CI machine: 1.8 us a call from Python, 50x these), and a decode or fwd+bwd
 # step calls them a dozen times.
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _forward_widths(flags: dict) -> dict:
-    """The score flags for a kernel that streams K and V tiles through a pipelined loop (the forwards, decode).
-
-    Where the q/k head dim is padded (HEADDIM < BLOCK_D) and the value tile is narrower than the key tile,
-    triton 3.6 on an H200 computed P @ V from outside its shared-memory buffers (compute-sanitizer:
-    out-of-range shared address; wrong outputs, sometimes an illegal-address fault; headdim 40 with
-    headdim_v 3, 8, 12 or 24 at 128 x 64 tiles, and 16 at one pipeline stage; 2026-11-29,
-    docs/compiler-workarounds.md).
-    Padding the value tile to the key tile's width was measured correct in every such case; the result
-    is the same (the extra columns are masked), the cost is a wider P @ V for those uncommon shapes.
-    """
-    if flags["HEADDIM"] < flags["BLOCK_D"] and flags["BLOCK_DV"] < flags["BLOCK_D"]:
-        return dict(flags, BLOCK_DV=flags["BLOCK_D"])
-    return flags
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs are multiplied in full fp32 unless the user allowed TF32, as torch's matmul does
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
-
-
-def _sink_arg(q: torch.Tensor, learnable_sink) -> torch.Tensor:
-    """The learnable sink as the kernels read it, a contiguous (nheads,) array of its own dtype (they convert to
-    float32); q when there is none (never read)."""
-    if learnable_sink is None:
-        return q
-    return learnable_sink.detach().contiguous()
-
-
-def _slopes_arg(q: torch.Tensor, alibi_slopes) -> tuple[torch.Tensor, int]:
-    """The ALiBi slopes as the kernels read them (float32, base 2) and their batch stride; q when there are none."""
-    if alibi_slopes is None:
-        return q, 0  # never read
-    with torch.no_grad():
-        slopes = (alibi_slopes.float() * LOG2E).contiguous()  # the kernels work in base 2
-    return slopes, 0 if slopes.shape[0] == 1 else slopes.stride(0)
-
-
-def _scale_in_exp2(problem: AttentionProblem, flags: dict) -> bool:
-    """Whether the kernels keep scores unscaled and apply the scale inside the softmax's exponent (one fused
-    multiply-add per score; common.online_softmax_step, bwd.py): where the scale is the scores' only transformation
-    and positive, so that the row max of the unscaled products, scaled, is the max of the scores."""
-    return (problem.softmax_scale > 0 and not flags["HAS_SOFTCAP"] and not flags["HAS_ALIBI"]
-            and flags["MASK_KIND"] != 2)
-
-
-def _score_constants(problem: AttentionProblem, mask_kind: int, precision: str) -> tuple[tuple, dict]:
-    """The scalars and constexpr flags that describe scores (mask_kind 0 none, 1 bool, 2 additive; precision
-    from _dot_precision, which reads a torch setting that may change between calls)."""
-    softcap = problem.softcap if problem.softcap > 0 else 1.0
-    # scale of the final scores in base 2; with softcap, tanh(q.k * softcap_scale) * softcap_out
-    scalars = (problem.softmax_scale, problem.softmax_scale * LOG2E, problem.softmax_scale / softcap,
-               softcap * LOG2E, problem.diagonal_offset, max(problem.window_left, 0), max(problem.window_right, 0))
-    flags = dict(HEADDIM=problem.headdim, HEADDIM_V=problem.headdim_v, BLOCK_D=configs.padded_width(problem.headdim),
-                 BLOCK_DV=configs.padded_width(problem.headdim_v), HAS_LEFT=problem.window_left >= 0,
-                 HAS_RIGHT=problem.window_right >= 0, HAS_SOFTCAP=problem.softcap > 0,
-                 HAS_ALIBI=problem.has_alibi, MASK_KIND=mask_kind, DOT_PRECISION=precision)
-    flags["SCALE_IN_EXP2"] = _scale_in_exp2(problem, flags)
-    return scalars, flags
-
-
 def _score_args(q: torch.Tensor, alibi_slopes, attn_mask, problem: AttentionProblem):
     """The kernel arguments that describe scores: slopes, mask, their strides, the flags."""
-    slopes, slopes_stride = _slopes_arg(q, alibi_slopes)
+    slopes, slopes_stride = slopes_arg(q, alibi_slopes)
     if attn_mask is not None:
         mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
         mask_strides = mask.stride()
         mask_kind = 1 if attn_mask.dtype == torch.bool else 2
     else:
         mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0  # never read
-    scalars, flags = _score_constants(problem, mask_kind, _dot_precision(problem.dtype))
+    scalars, flags = score_constants(problem, mask_kind, dot_precision(problem.dtype))
     return slopes, slopes_stride, mask, mask_strides, scalars, flags
 
 
@@ -237,13 +169,6 @@ def _grid_rows(seqlen_hint: int, varlen: bool) -> int:
     return min(seqlen_hint, configs.VARLEN_GRID_ROWS) if varlen else seqlen_hint
 
 
-def _row_strides(t: torch.Tensor, batch_stride: int) -> tuple[int, int, int]:
-    """(batch, row, head) strides of a (batch, rows, heads, dim) tensor as the kernels take them; batch_stride
-    0 for packed sequences, whose batch entries are found through cu_seqlens instead (see _packing)."""
-    stride_b, stride_m, stride_h, _ = t.stride()  # one call: a fwd+bwd step asks for a dozen tensors' strides
-    return stride_b * batch_stride, stride_m, stride_h
-
-
 def _outputs(q, problem: AttentionProblem, packed: bool):
     """out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q); packed: batch 1, total rows."""
     p = problem
@@ -251,18 +176,6 @@ def _outputs(q, problem: AttentionProblem, packed: bool):
     out = torch.empty(batch, rows, p.nheads, p.headdim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, p.nheads, rows, dtype=torch.float32, device=q.device)
     return out, lse
-
-
-# CUDA's grid axis 0 (axes 1 and 2 hold 65,535 programs; every kernel lays its programs along axis 0)
-MAX_PROGRAMS = 2**31 - 1
-
-
-def _grid(programs: int) -> tuple[int]:
-    """A one-axis grid of `programs` programs (the kernels split their index with common.program_coordinates)."""
-    if programs > MAX_PROGRAMS:
-        raise ValueError(f"this call needs {programs:,} programs, more than a CUDA grid axis holds "
-                         f"({MAX_PROGRAMS:,}); split the batch into several calls")
-    return (programs,)
 
 
 def _register_cap(registers: int) -> dict:
@@ -300,11 +213,11 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
     if (out.numel() == 0 and lse.numel() == 0) or p.batch == 0:
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, alibi_slopes, attn_mask, p)
-    flags = _forward_widths(flags)
-    sink = _sink_arg(q, learnable_sink)
+    flags = forward_widths(flags)
+    sink = sink_arg(q, learnable_sink)
     rng, dropout_scalars, dropout_flags = _dropout_args(q, p, rng_state)
-    query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m))
-    grid = _grid(query_programs * p.batch * p.nheads)
+    query_programs = max(1, cdiv(_grid_rows(p.seqlen_q, varlen), tiles.block_m))
+    grid = program_grid(query_programs * p.batch * p.nheads)
     # packed batches take TMA loads under schedule 1 only (the warp-specialized loop keeps to dense batches)
     # schedule 3 (the Gluon forward) where that kernel does not serve the call: schedule 1
     tma_schedule = tiles.forward_schedule in (1, 3) or (tiles.forward_schedule == 2 and not varlen)
@@ -320,7 +233,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
             attention_fwd_tma_kernel, grid,
             (q, _heads_view(q, tiles.block_m, block_d), _heads_view(k, tiles.block_n, block_d),
              _heads_view(v, tiles.block_n, block_dv), out, lse, slopes, sink, cu_q, cu_k, rng),
-            (*_row_strides(q, 1), *_row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
+            (*row_strides(q, 1), *row_strides(out, batch_q), lse.stride(0) * batch_q, lse.stride(1),
              slopes_stride, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars,
              *dropout_scalars),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -331,7 +244,7 @@ def forward(q, k, v, alibi_slopes, attn_mask, problem: AttentionProblem, tiles: 
         return out, lse
     launch(
         attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, sink, mask, cu_q, cu_k, rng, q, q),
-        (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k), *_row_strides(out, batch_q),
+        (*row_strides(q, batch_q), *row_strides(k, batch_k), *row_strides(v, batch_k), *row_strides(out, batch_q),
          lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides,
          p.nheads, p.group_size, p.seqlen_q, p.seqlen_k, query_programs, *scalars, *dropout_scalars, *_UNPAGED),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -358,16 +271,16 @@ def paged_varlen_forward(call, tiles: TritonTiles):
     if out.numel() == 0 or p.batch == 0:
         return out, lse
     slopes, slopes_stride, mask, mask_strides, scalars, flags = _score_args(q, call.alibi_slopes, None, p)
-    flags = _forward_widths(flags)
-    sink = _sink_arg(q, call.learnable_sink)
-    query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, True), tiles.block_m))
-    grid = _grid(query_programs * p.batch * p.nheads)
+    flags = forward_widths(flags)
+    sink = sink_arg(q, call.learnable_sink)
+    query_programs = max(1, cdiv(_grid_rows(p.seqlen_q, True), tiles.block_m))
+    grid = program_grid(query_programs * p.batch * p.nheads)
     # cu_seqlens_q stands in for the kernel's CuSeqlensK (its key bounds come from SeqlensK and the block table), q
     # for its RngState and (0, 1.0) for its dropout scalars (a paged call has no dropout: _validate)
     cu_q, table = call.cu_seqlens_q, call.block_table
     launch(
         attention_fwd_kernel, grid, (q, k, v, out, lse, slopes, sink, mask, cu_q, cu_q, q, table, call.seqlens_k),
-        (*_row_strides(q, 0), 0, k.stride(1), k.stride(2), 0, v.stride(1), v.stride(2), *_row_strides(out, 0),
+        (*row_strides(q, 0), 0, k.stride(1), k.stride(2), 0, v.stride(1), v.stride(2), *row_strides(out, 0),
          0, lse.stride(1), slopes_stride, *mask_strides, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k,
          query_programs, *scalars, 0, 1.0, table.stride(0), k.stride(0), v.stride(0), call.page_size, k.shape[0],
          table.shape[1] * call.page_size),
@@ -432,12 +345,12 @@ def _dealt_tiles(device: torch.device, problem: AttentionProblem, programs: int,
     TileList[TileStarts[p] .. TileStarts[p + 1]) in that order. A query block's work: the key blocks it visits
     (from its first visible key's block on, as the kernel's key_block_bounds), plus one for its prologue and
     epilogue. Built on the host once per shape and kept on the device."""
-    query_blocks, batch_heads = _cdiv(problem.seqlen_q, block_m), problem.batch * problem.nheads
+    query_blocks, batch_heads = cdiv(problem.seqlen_q, block_m), problem.batch * problem.nheads
     has_right = problem.window_right >= 0
     costs = []
     for m in range(query_blocks):
         lo, hi = visible_key_range(problem, m * block_m, (m + 1) * block_m)
-        costs.append(1 + _cdiv(hi - lo // block_n * block_n, block_n))
+        costs.append(1 + cdiv(hi - lo // block_n * block_n, block_n))
     loads = [(0, cta) for cta in range(programs)]
     dealt: list[list[int]] = [[] for _ in range(programs)]
     for tile in range(query_blocks * batch_heads):
@@ -458,26 +371,6 @@ def _dealt_tiles(device: torch.device, problem: AttentionProblem, programs: int,
             torch.tensor(starts, dtype=torch.int32, device=device))
 
 
-def forward_by_decode(q, k, v, alibi_slopes, problem: AttentionProblem, learnable_sink=None):
-    """A dense call's forward by the decode kernels (forward schedule 5, configs.decode_forward): k and v (batch,
-    seqlen_k, nheads_k, dim) as full KV caches of seqlen_k keys, as flash_attn_with_kvcache(q, k, v,
-    cache_seqlens=seqlen_k) runs them, whose band rule (aligned to each sequence's last key) is the call's. Returns
-    out, lse as forward(). Raises BackendUnavailableError for a call the decode kernels do not serve (a tile setting
-    that forces the schedule onto one)."""
-    from .._validate import prepare_kvcache  # the KV cache's validation: its layouts key the decode plans
-
-    p = problem
-    reason = configs.decode_forward_unserved_reason(p)
-    if reason:
-        raise BackendUnavailableError(f"forward_schedule=5 of backend 'triton' cannot serve this call: {reason}")
-    # alibi_slopes comes as (batch or 1, nheads); the KV cache takes (nheads,) or (batch, nheads)
-    slopes = alibi_slopes[0] if alibi_slopes is not None and alibi_slopes.shape[0] == 1 else alibi_slopes
-    call = prepare_kvcache(q, k, v, None, None, p.seqlen_k, None, softmax_scale=p.softmax_scale, causal=False,
-                           window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,
-                           num_splits=0, return_softmax_lse=True, check_values=False, learnable_sink=learnable_sink)
-    return decode(call, 0)
-
-
 def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonTile, cu_seqlens_q=None,
                   cu_seqlens_k=None, learnable_sink=None):
     """The Gluon forward (fwd_gluon.py) of a call that gluon_unserved accepts, dense or packed (cu_seqlens_q and
@@ -489,9 +382,9 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
         return out, lse
     slopes, slopes_stride, _, _, scalars, flags = _score_args(q, alibi_slopes, None, p)
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
-    query_blocks = _cdiv(p.seqlen_q, tile.block_m)
+    query_blocks = cdiv(p.seqlen_q, tile.block_m)
     num_tiles = query_blocks * p.batch * p.nheads
-    programs = min(num_tiles, tile.ctas_per_sm * _sm_count(q.device)) if tile.persistent else num_tiles
+    programs = min(num_tiles, tile.ctas_per_sm * sm_count(q.device)) if tile.persistent else num_tiles
     _, block_n, share_qo = _gluon_plan(p, tile)
     _, score_scale, softcap_scale, softcap_out, diagonal_offset, window_left, window_right = scalars
     # longest-first order (a band closing on the right, packed batches) takes heads in groups whose K and V fit in L2
@@ -504,12 +397,12 @@ def forward_gluon(q, k, v, alibi_slopes, problem: AttentionProblem, tile: GluonT
     else:
         dealt = starts = lse  # never read
     launch(
-        attention_fwd_gluon_kernel, _grid(programs),
+        attention_fwd_gluon_kernel, program_grid(programs),
         (_gluon_heads_view(q, WARPGROUP_ROWS, block_d), _gluon_heads_view(k, block_n, block_d),
          _gluon_heads_view(v, block_n, block_dv), _gluon_heads_view(out, WARPGROUP_ROWS, block_dv),
          # packed batches: an 8-row box for the rows before a sequence's end (dense: never read)
          _gluon_heads_view(out, 8, block_dv, layout_rows=WARPGROUP_ROWS) if varlen else lse, lse, slopes,
-         _sink_arg(q, learnable_sink), dealt, starts, cu_q, cu_k, out),
+         sink_arg(q, learnable_sink), dealt, starts, cu_q, cu_k, out),
         (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, out.stride(1), p.headdim_v, p.nheads, p.group_size,
          p.seqlen_q, p.seqlen_k, query_blocks, p.batch * p.nheads, group_heads, group_heads * query_blocks, programs,
          num_tiles // programs, num_tiles % programs, score_scale, softcap_scale, softcap_out, diagonal_offset,
@@ -571,10 +464,10 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
         _launch_preprocess(out, grad_out, grad_lse, delta, p, flags, has_dlse)
         _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, p, scalars, flags)
         return dq, dk, dv, delta
-    inputs = (*_row_strides(q, batch_q), *_row_strides(k, batch_k), *_row_strides(v, batch_k),
-              *_row_strides(grad_out, batch_q))
-    dq_strides, dk_strides, dv_strides = (_row_strides(dq, batch_q), _row_strides(dk, batch_k),
-                                          _row_strides(dv, batch_k))
+    inputs = (*row_strides(q, batch_q), *row_strides(k, batch_k), *row_strides(v, batch_k),
+              *row_strides(grad_out, batch_q))
+    dq_strides, dk_strides, dv_strides = (row_strides(dq, batch_q), row_strides(dk, batch_k),
+                                          row_strides(dv, batch_k))
     stats = (lse.stride(0) * batch_q, lse.stride(1), slopes_stride, *mask_strides)
     # packed batches: a host-side descriptor spans the packed tensor, so past a sequence's end it reads the next
     # sequence's rows; their kernels take only the interior blocks by TMA and the edge blocks by masked pointer
@@ -593,13 +486,13 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
         descriptors = (q, k, v, grad_out)  # never read
     bwd = dict(num_warps=tiles.bwd_num_warps, num_stages=tiles.bwd_num_stages, VARLEN=varlen, USE_TMA=use_tma,
                **flags, **dropout_flags)
-    key_programs = max(1, _cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
-    query_programs = max(1, _cdiv(_grid_rows(p.seqlen_q, varlen), dq_rows))
+    key_programs = max(1, cdiv(_grid_rows(p.seqlen_k, varlen), tiles.bwd_block_n))
+    query_programs = max(1, cdiv(_grid_rows(p.seqlen_q, varlen), dq_rows))
     if tiles.backward_one_launch and k.shape[1] > 0:
         # a dK/dV program may run before the dQ program of its query rows: delta from a launch of its own
         _launch_preprocess(out, grad_out, grad_lse, delta, p, flags, has_dlse)
         launch(
-            attention_bwd_kernel, _grid((key_programs * p.nheads_k + query_programs * p.nheads) * p.batch),
+            attention_bwd_kernel, program_grid((key_programs * p.nheads_k + query_programs * p.nheads) * p.batch),
             (q, k, v, grad_out, *descriptors, lse, delta, dq, dk, dv, slopes, mask, cu_q, cu_k, rng),
             (*inputs, *dq_strides, *dk_strides, *dv_strides, *stats,
              p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, query_programs, *scalars,
@@ -610,9 +503,9 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
     # dO already) and stores it for the dK/dV kernel; its tile is by default the dK/dV tile transposed
     # (bwd_block_n query rows against bwd_block_m keys)
     launch(
-        attention_bwd_dq_kernel, _grid(query_programs * p.batch * p.nheads),
+        attention_bwd_dq_kernel, program_grid(query_programs * p.batch * p.nheads),
         (q, k, v, grad_out, out, *descriptors, lse, delta, grad_lse, dq, slopes, mask, cu_q, cu_k, rng),
-        (*inputs, *_row_strides(out, batch_q), *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k,
+        (*inputs, *row_strides(out, batch_q), *dq_strides, *stats, p.nheads, p.group_size, p.seqlen_q, p.seqlen_k,
          query_programs, *scalars, *dropout_scalars),
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, HAS_DLSE=has_dlse, **dict(bwd, num_warps=dq_warps),
         **_register_cap(tiles.dq_max_registers))
@@ -620,7 +513,7 @@ def _backward_kernels(grad_out, grad_lse, q, k, v, out, lse, alibi_slopes, attn_
         _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, p, scalars, flags, bool(tiles.gluon_backward_overlap))
     elif k.shape[1] > 0:
         launch(
-            attention_bwd_dkdv_kernel, _grid(key_programs * p.batch * p.nheads_k),
+            attention_bwd_dkdv_kernel, program_grid(key_programs * p.batch * p.nheads_k),
             (q, k, v, grad_out, *descriptors, lse, delta, dk, dv, slopes, mask, cu_q, cu_k, rng),
             (*inputs, *dk_strides, *dv_strides, *stats, p.nheads, p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k,
              key_programs, *scalars, *dropout_scalars),
@@ -645,10 +538,11 @@ def _launch_preprocess(out, grad_out, grad_lse, delta, problem: AttentionProblem
     dK/dV programs may run before the dQ programs of their rows). Rows are independent there: a packed batch is one
     long sequence to the preprocess kernel."""
     rows, batch = out.shape[1], out.shape[0]
-    row_programs = _cdiv(rows, 64)
+    row_programs = cdiv(rows, 64)
     launch(
-        attention_bwd_preprocess_kernel, _grid(row_programs * batch * problem.nheads), (out, grad_out, grad_lse, delta),
-        (*_row_strides(out, 1), *_row_strides(grad_out, 1), problem.nheads, rows, row_programs),
+        attention_bwd_preprocess_kernel, program_grid(row_programs * batch * problem.nheads),
+        (out, grad_out, grad_lse, delta),
+        (*row_strides(out, 1), *row_strides(grad_out, 1), problem.nheads, rows, row_programs),
         HEADDIM_V=problem.headdim_v, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"], HAS_DLSE=has_dlse)
 
 
@@ -668,10 +562,10 @@ def _launch_dkdv_gluon(q, k, v, grad_out, lse, delta, dk, dv, problem: Attention
     p = problem
     block_m, stages = configs.gluon_backward_tile(p, overlap)
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
-    key_programs = _cdiv(p.seqlen_k, 2 * WARPGROUP_KEYS)
+    key_programs = cdiv(p.seqlen_k, 2 * WARPGROUP_KEYS)
     programs = key_programs * p.batch * p.nheads_k  # one CTA per key block (of 128 keys, two consumers' 64)
     launch(
-        attention_bwd_dkdv_gluon_kernel, _grid(programs),
+        attention_bwd_dkdv_gluon_kernel, program_grid(programs),
         (*_gluon_backward_views(q, k, v, grad_out, dk, dv, block_m, block_d, block_dv), lse, delta),
         (lse.stride(0), lse.stride(1), p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, programs,
          *scalars),
@@ -683,17 +577,17 @@ def _dq_accumulator(problem: AttentionProblem, device: torch.device) -> torch.Te
     """The fused Gluon backward's zeroed float32 dQ accumulator: dQ transposed, (batch, heads, headdim, query rows
     rounded up to 4 so that TMA's 16-byte stride rule holds)."""
     p = problem
-    return torch.zeros(p.batch, p.nheads, p.headdim, _cdiv(p.seqlen_q, 4) * 4, dtype=torch.float32, device=device)
+    return torch.zeros(p.batch, p.nheads, p.headdim, cdiv(p.seqlen_q, 4) * 4, dtype=torch.float32, device=device)
 
 
 def _convert_dq(accumulator: torch.Tensor, dq: torch.Tensor, problem: AttentionProblem, block_d: int) -> None:
     """dq (batch, seqlen_q, nheads, headdim) = softmax_scale * the accumulator transposed, in dq's dtype
     (attention_bwd_dq_convert_kernel)."""
     p = problem
-    row_programs = _cdiv(p.seqlen_q, 64)
+    row_programs = cdiv(p.seqlen_q, 64)
     launch(
-        attention_bwd_dq_convert_kernel, _grid(row_programs * p.batch * p.nheads), (accumulator, dq),
-        (*accumulator.stride()[:3], *_row_strides(dq, 1), p.nheads, p.seqlen_q, row_programs, p.softmax_scale),
+        attention_bwd_dq_convert_kernel, program_grid(row_programs * p.batch * p.nheads), (accumulator, dq),
+        (*accumulator.stride()[:3], *row_strides(dq, 1), p.nheads, p.seqlen_q, row_programs, p.softmax_scale),
         HEADDIM=p.headdim, BLOCK_M=64, BLOCK_D=block_d, num_warps=4)
 
 
@@ -712,338 +606,13 @@ def _launch_fused_gluon(q, k, v, grad_out, lse, delta, dq, dk, dv, problem: Atte
         block_shape=[1, 1, block_d, block_m],
         layout=gluon_compat.gl.NVMMASharedLayout.get_default_for([1, 1, block_d, block_m], gluon_compat.gl.float32),
         padding="zero")
-    key_programs = _cdiv(p.seqlen_k, 2 * WARPGROUP_KEYS)
+    key_programs = cdiv(p.seqlen_k, 2 * WARPGROUP_KEYS)
     programs = key_programs * p.batch * p.nheads_k  # one CTA per key block (of 128 keys, two consumers' 64)
     launch(
-        attention_bwd_fused_gluon_kernel, _grid(programs),
+        attention_bwd_fused_gluon_kernel, program_grid(programs),
         (*_gluon_backward_views(q, k, v, grad_out, dk, dv, block_m, block_d, block_dv), dq_descriptor, lse, delta),
         (lse.stride(0), lse.stride(1), p.nheads_k, p.group_size, p.seqlen_q, p.seqlen_k, key_programs, programs,
          *scalars),
         BLOCK_M=block_m, NUM_STAGES=stages, HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"],
         SCALE_IN_EXP2=flags["SCALE_IN_EXP2"], CONSUMER_REGISTERS=240, num_warps=4, maxnreg=168)
     _convert_dq(accumulator, dq, p, block_d)
-
-
-def choose_num_splits(programs: int, key_blocks: int, sm_count: int, waves: int = 4, min_blocks: int = 4,
-                      max_splits: int = 64) -> int:
-    """Flash-Decoding's split count: as many programs as fit in `waves` programs per SM, never a few more
-    (at batch 8 x 8 K/V heads on an H200, 8 splits, 512 programs, read the cache up to 8% faster than 9,
-    576, contiguous and 16-key pages alike, with one tie), each split keeping at least `min_blocks` key blocks
-    (so the merge stays cheap next to the reads), at most `max_splits` splits (a tile's own limits, DecodeTile)."""
-    if programs >= sm_count:
-        return 1
-    wanted = waves * sm_count // max(1, programs)
-    return max(1, min(wanted, key_blocks // min_blocks, max_splits))
-
-
-@dataclass(frozen=True)
-class DecodeTile:
-    """The decode kernel's tile for one cache layout: keys per block, warps, pipeline stages, the waves of
-    programs the split count aims for, and the split count's limits (key blocks a split keeps at least, splits at
-    most; choose_num_splits). In a paged cache a key block looks its page up once where block_n divides the page
-    size, else once per run of gcd(block_n, page_size) keys (both are multiples of 16)."""
-
-    block_n: int
-    num_warps: int
-    num_stages: int
-    waves: int
-    min_blocks_per_split: int = 4
-    max_splits: int = 64
-
-
-# Decode tiles. Why each, with its measurements: docs/decode.md (paged reads) and docs/tuning.md (the tiles); numbers
-# from benchmarks/tune_decode.py on an H200 (bf16, d = 128, 32 query heads on 8 K/V heads, kernels from CUDA graphs),
-# raw results in benchmarks/results/raw/ under the names given.
-# Unsplit launches, contiguous or paged: 64-key blocks, 2 stages (3 lost 5-25% at batch 8 and 64), about four waves;
-# a block over smaller pages looks up each page it spans (pages of 16, 64 x 32k: 1,963 us against 2,033 for 16-key
-# blocks). Raw: 2026-11-29-h200-tune-decode.txt, 2026-11-30-h200-s16-call4-page16-tiles.txt
-DECODE_TILE = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4)
-# Split launches over pages of a multiple of 64 keys: the same tile, one page lookup per block, down to 2 key blocks a
-# split so that short caches get more programs (1 x 4k: 9.3 us at 32 splits against 10.2 at 16).
-# Raw: 2026-11-30-h200-s15-call2-varlen-fix-decode-tiles.txt, 2026-12-01-h200-s19-call3-variants.txt
-DECODE_TILE_LARGE_PAGES_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=2, waves=4, min_blocks_per_split=2)
-# Split launches over a contiguous cache: 3 stages at about two waves, two programs per SM with more bytes in flight
-# each (up to 7% faster at batch 1 and 8); not for paged caches, whose page lookups need more programs in flight.
-# Raw: 2026-11-30-h200-s16-call2-decode-stages-packed-d64.txt
-DECODE_TILE_CONTIGUOUS_SPLIT = DecodeTile(block_n=64, num_warps=4, num_stages=3, waves=2)
-# Split launches over other pages (every page size is a multiple of 16): 16-key blocks, one lookup each, 2 warps and
-# 8 stages so that enough copies stay in flight (pages of 16, 8 x 128k: 1,008 us against 1,196 with a lookup per key).
-# Raw: 2026-11-30-h200-s12-call2-page16-tiles.txt
-DECODE_TILE_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=8, waves=4)
-# Short caches in such pages, where DECODE_TILE_SMALL_PAGES would leave a split no more key blocks than stages (the
-# pipeline never fills): 4 stages, eight waves, down to 2 key blocks a split, up to 128 splits (pages of 16, 1 x 4k:
-# 10.0 us against 10.9). Raw: 2026-11-30-h200-s18-call8-smallpages.txt, 2026-11-30-h200-s18-call9-variants.txt
-DECODE_TILE_SHORT_SMALL_PAGES = DecodeTile(block_n=16, num_warps=2, num_stages=4, waves=8, min_blocks_per_split=2,
-                                           max_splits=128)
-
-
-def page_chunk(block_n: int, page_size: int | None) -> int:
-    """Keys per page lookup in a key block (the decode kernel's PAGE_CHUNK): block_n where it divides the page size
-    (and for a contiguous cache), else the runs of gcd(block_n, page_size) keys that lie in one page."""
-    return math.gcd(block_n, page_size or block_n)
-
-
-def default_decode_tile(page_size: int | None, split: bool = False) -> DecodeTile:
-    """The decode tile for a contiguous cache (page_size None) or a paged one; split: whether the launch splits
-    each sequence's keys (a contiguous cache, and pages that are not a multiple of 64 keys, then take their own)."""
-    if page_size is None:
-        return DECODE_TILE_CONTIGUOUS_SPLIT if split else DECODE_TILE
-    if not split:
-        return DECODE_TILE
-    if page_size % DECODE_TILE.block_n == 0:
-        return DECODE_TILE_LARGE_PAGES_SPLIT
-    return DECODE_TILE_SMALL_PAGES
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a pretend GPU small enough that tests exercise the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@dataclass(frozen=True)
-class DecodeGeometry:
-    """How attention_decode_kernel covers a KV-cache call: rows per program (a GQA group's query heads x
-    query tokens), keys per block, the split of each sequence's key blocks, warps and pipeline stages."""
-
-    block_m: int
-    row_blocks: int
-    block_n: int
-    splits: int
-    blocks_per_split: int
-    num_warps: int
-    num_stages: int
-
-    def describe(self) -> str:
-        merge = " + attention_decode_combine_kernel" if self.splits > 1 else ""
-        return (f"attention_decode_kernel{merge}: {self.row_blocks} x {self.block_m} rows per (batch, K/V head) "
-                f"(query heads of a group x query tokens), {self.block_n}-key blocks, {self.splits} split(s) of "
-                f"up to {self.blocks_per_split} blocks, {self.num_warps} warps, {self.num_stages} stages")
-
-
-@functools.lru_cache(maxsize=256)
-def decode_geometry(problem: AttentionProblem, page_size: int | None, num_splits: int,
-                    tile: DecodeTile | None = None) -> DecodeGeometry:
-    """The launch shape for a KV-cache problem (problem.seqlen_k is the cache capacity); tile overrides
-    the layout's default. Cached: a decode loop asks for the same geometry at every step."""
-    rows = problem.group_size * problem.seqlen_q
-    block_m = min(64, max(16, _next_power_of_2(rows)))
-    row_blocks = _cdiv(rows, block_m)
-
-    def key_blocks_and_splits(tile: DecodeTile) -> tuple[int, int]:
-        key_blocks = max(1, _cdiv(problem.seqlen_k, tile.block_n))
-        return key_blocks, num_splits or choose_num_splits(problem.batch * problem.nheads_k * row_blocks, key_blocks,
-                                                           _sm_count(problem.device), tile.waves,
-                                                           tile.min_blocks_per_split, tile.max_splits)
-
-    if tile is None:
-        # the layout's tile for split launches where the keys do end up split, else its unsplit tile
-        tile = default_decode_tile(page_size, split=True)
-        key_blocks, splits = key_blocks_and_splits(tile)
-        if splits == 1:
-            tile = default_decode_tile(page_size)
-        elif tile is DECODE_TILE_SMALL_PAGES and _cdiv(key_blocks, splits) <= tile.num_stages:
-            tile = DECODE_TILE_SHORT_SMALL_PAGES
-    key_blocks, splits = key_blocks_and_splits(tile)
-    blocks_per_split = _cdiv(key_blocks, max(1, min(splits, key_blocks)))
-    return DecodeGeometry(block_m, row_blocks, tile.block_n, _cdiv(key_blocks, blocks_per_split),
-                          blocks_per_split, tile.num_warps, tile.num_stages)
-
-
-@dataclass(frozen=True)
-class _DecodePlan:
-    """Everything a KV-cache call's launches take but the tensors, for one validated layout (see decode())."""
-
-    grid: tuple  # three ints
-    kernel: FixedLaunch  # attention_decode_kernel with its strides, sizes, score scalars and constexprs
-    combine_grid: tuple
-    combine: FixedLaunch | None  # attention_decode_combine_kernel, when the keys are split
-    out_shape: tuple
-    lse_shape: tuple | None  # None: the caller did not ask for lse, and the kernels do not store it
-    part_floats: int  # floats of the split partial outputs followed by their lse (0 when not split)
-    dtype: torch.dtype  # q's, and out's
-    device: torch.device
-
-
-def _decode_plan(call, num_splits: int, geometry: DecodeGeometry | None, precision: str, slopes_stride: int,
-                 table: torch.Tensor) -> _DecodePlan:
-    """decode()'s launch plan, built from the first call of a layout (a layout's signature fixes every stride
-    and size read here: q's, the caches', the block table's, the slopes')."""
-    p, q, k_cache, v_cache = call.problem, call.q, call.k_cache, call.v_cache
-    batch, seqlen_q = q.shape[:2]
-    shape = geometry or decode_geometry(p, call.page_size, num_splits)
-    scalars, flags = _score_constants(p, 0, precision)
-    flags = _forward_widths(flags)
-    # a KV cache takes no attn_mask; and the decode kernel keeps its scores scaled and masked per element (see
-    # decode.py: memory-bound, it gains nothing from the fused exponent, and the per-row band cost it 18% at batch 64)
-    del flags["MASK_KIND"], flags["SCALE_IN_EXP2"]
-    _, score_scale, softcap_scale, softcap_out, _, window_left, window_right = scalars
-    out_shape = (batch, seqlen_q, p.nheads, p.headdim_v)
-    out_strides = _row_strides(torch.empty(out_shape, device="meta"), 1)  # decode() allocates out contiguous
-    tile_rows = p.group_size * seqlen_q  # the rows of a (batch, K/V head) tile that exist (not its padding)
-    # the split partials: outputs (batch * nheads_k, splits, tile_rows, BLOCK_DV), then their lse from part_lse_start
-    partial_rows = batch * p.nheads_k * shape.splits * tile_rows if shape.splits > 1 else 0
-    part_lse_start = partial_rows * flags["BLOCK_DV"]
-    seqlen_new = 0 if call.k_new is None else call.k_new.shape[1]
-    store_lse = call.layout.return_lse
-    kernel = FixedLaunch(
-        attention_decode_kernel,
-        (*_row_strides(q, 1), *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table.stride(0), slopes_stride,
-         *out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, seqlen_new, call.capacity,
-         call.page_size or 1, k_cache.shape[0], shape.blocks_per_split, shape.splits, shape.row_blocks, tile_rows,
-         part_lse_start, score_scale,
-         softcap_scale, softcap_out, window_left, window_right),
-        dict(BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, PAGED=call.page_size is not None,
-             PAGE_CHUNK=page_chunk(shape.block_n, call.page_size),
-             SPLIT=shape.splits > 1, STORE_LSE=store_lse, HAS_BATCH_IDX=call.cache_batch_idx is not None,
-             HAS_LEFTPAD=call.cache_leftpad is not None,
-             # the sink enters once: here when the keys are not split, else in the combine kernel's merge
-             HAS_SINK=p.has_sink and shape.splits == 1,
-             num_warps=shape.num_warps, num_stages=shape.num_stages, **flags))
-    combine = None
-    if shape.splits > 1:
-        combine = FixedLaunch(
-            attention_decode_combine_kernel,
-            (*out_strides, p.nheads, p.nheads_k, p.group_size, seqlen_q, shape.splits, tile_rows, part_lse_start),
-            dict(HEADDIM_V=p.headdim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_S=_next_power_of_2(shape.splits),
-                 STORE_LSE=store_lse, HAS_SINK=p.has_sink))
-    # one-axis grids (common.program_coordinates), kept as three ints for the relaunch
-    return _DecodePlan((*_grid(shape.splits * shape.row_blocks * batch * p.nheads_k), 1, 1), kernel,
-                       (*_grid(tile_rows * batch * p.nheads_k), 1, 1), combine, out_shape,
-                       (batch, p.nheads, seqlen_q) if store_lse else None, part_lse_start + partial_rows, q.dtype,
-                       q.device)
-
-
-# Plans by (validated layout, split request, geometry override, dot precision). A layout is compared by
-# identity and held by its key here, so a plan is never found for another layout's tensors.
-_DECODE_PLANS: dict = {}
-MAX_DECODE_PLANS = 1024
-
-
-def decode(call, num_splits: int, geometry: DecodeGeometry | None = None):
-    """Attention over a KV cache (kvcache.KVCacheCall, new tokens already appended): returns out
-    (batch, seqlen_q, nheads, headdim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32, or None
-    for lse when the call did not ask for it (call.layout.return_lse).
-
-    num_splits 0 lets choose_num_splits decide; the count is capped by the number of key blocks.
-    geometry overrides decode_geometry's choice (for tuning scripts). Nothing is read back from the GPU.
-    The launch constants (strides, sizes, score scalars, constexprs) are computed once per validated
-    layout (call.layout) and reused: a decode loop's steps differ only in their tensors.
-    """
-    q = call.q
-    precision = _dot_precision(q.dtype)
-    key = (call.layout, num_splits, geometry, precision)
-    slopes, slopes_stride = _slopes_arg(q, call.alibi_slopes)
-    sink = _sink_arg(q, call.learnable_sink)
-    table = call.block_table if call.block_table is not None else call.cache_seqlens  # never read if contiguous
-    plan = _DECODE_PLANS.get(key)
-    if plan is None:
-        if len(_DECODE_PLANS) >= MAX_DECODE_PLANS:
-            _DECODE_PLANS.clear()
-        plan = _DECODE_PLANS[key] = _decode_plan(call, num_splits, geometry, precision, slopes_stride, table)
-    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
-    lse = None if plan.lse_shape is None else torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
-    if plan.out_shape[0] == 0:
-        return out, lse
-    lse_arg = out if lse is None else lse  # never written without STORE_LSE
-    # one allocation for the partial outputs and their lse (a host-bound decode step feels each torch.empty)
-    part = lse_arg if plan.combine is None else torch.empty(plan.part_floats, dtype=torch.float32, device=plan.device)
-    # absent index tensors are passed as cache_seqlens (int32, never read)
-    batch_idx = call.cache_seqlens if call.cache_batch_idx is None else call.cache_batch_idx
-    leftpad = call.cache_seqlens if call.cache_leftpad is None else call.cache_leftpad
-    launch_fixed(plan.kernel, plan.grid, (q, call.k_cache, call.v_cache, call.cache_seqlens, table, batch_idx, leftpad,
-                                          slopes, sink, out, lse_arg, part))
-    if plan.combine is not None:
-        launch_fixed(plan.combine, plan.combine_grid, (part, out, lse_arg, sink))
-    return out, lse
-
-
-# Elements of one (heads x dims) tile of kvcache_append_kernel: a block of heads per program, all of a GQA group's K/V
-# heads and the 32 query heads of a d = 128 model in one program
-APPEND_TILE_ELEMENTS = 4096
-
-
-@dataclass(frozen=True)
-class _AppendPlan:
-    """append_to_cache()'s launch, fixed per validated layout like a decode plan."""
-
-    grid: tuple  # three ints
-    kernel: FixedLaunch  # kvcache_append_kernel with its strides, sizes and constexprs
-    rotary: bool  # the call has rotary tables: q is rotated into a new tensor of q_shape
-    q_shape: tuple
-    dtype: torch.dtype
-    device: torch.device
-
-
-def _new_tokens(call) -> tuple:
-    """The call's new keys and values, or empty views of the cache where it has none (rotary tables rotate q alone)."""
-    if call.k_new is None:
-        return call.k_cache[:, :0], call.v_cache[:, :0]
-    return call.k_new, call.v_new
-
-
-def _append_plan(call) -> _AppendPlan:
-    q, k_cache, v_cache = call.q, call.k_cache, call.v_cache
-    k_new, v_new = _new_tokens(call)
-    layout = call.layout
-    rotary = call.rotary_cos is not None
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_new, nheads_k, headdim_v = k_new.shape[1], k_new.shape[2], v_new.shape[3]
-    half = layout.rotary_dim // 2 if rotary else 0
-    # a block of heads covers the query heads with tables (its programs rotate q), the K/V heads without
-    block_h = min(_next_power_of_2(nheads if rotary else nheads_k),
-                  max(1, APPEND_TILE_ELEMENTS // _next_power_of_2(max(headdim, headdim_v))))
-    out_strides = _row_strides(torch.empty(q.shape, device="meta"), 1)  # append_to_cache allocates it contiguous
-    table_stride = call.block_table.stride(0) if call.block_table is not None else 0
-    table_strides = (*call.rotary_cos.stride(), *call.rotary_sin.stride()) if rotary else (0, 0, 0, 0)
-    kernel = FixedLaunch(
-        kvcache_append_kernel,
-        (*_row_strides(q, 1), *k_new.stride(), *v_new.stride(), *table_strides, *out_strides,
-         *_row_strides(k_cache, 1), *_row_strides(v_cache, 1), table_stride,
-         batch, seqlen_q, seqlen_new, nheads, nheads_k, layout.rotary_len if rotary else 1, call.capacity,
-         call.page_size or 1, k_cache.shape[0]),
-        dict(HEADDIM=headdim, HEADDIM_V=headdim_v, ROTARY_HALF=half, INTERLEAVED=rotary and layout.rotary_interleaved,
-             ROTARY=rotary, Q_SHIFTED=rotary and layout.rotary_shifted, PAGED=call.page_size is not None,
-             HAS_BATCH_IDX=call.cache_batch_idx is not None, BLOCK_H=block_h, BLOCK_R=_next_power_of_2(max(1, half)),
-             BLOCK_P=_next_power_of_2(max(1, headdim - 2 * half)), BLOCK_DV=_next_power_of_2(headdim_v),
-             num_warps=4,
-             # every product and sum rounded on its own, as torch's eager rotate rounds them: the same bits
-             enable_fp_fusion=False))
-    rows = batch * (seqlen_q + seqlen_new) if rotary else batch * seqlen_new
-    grid = (*_grid(rows), _cdiv(nheads if rotary else nheads_k, block_h), 1)
-    return _AppendPlan(grid, kernel, rotary, tuple(q.shape), q.dtype, q.device)
-
-
-# Append plans by validated layout (compared by identity, as _DECODE_PLANS)
-_APPEND_PLANS: dict = {}
-
-
-def append_to_cache(call) -> None:
-    """Append the new keys and values of a KV-cache call (kvcache.KVCacheCall) to its cache in one launch of
-    kvcache_append_kernel; with rotary tables the same launch rotates q and the new keys first.
-
-    Writes k_cache / v_cache in place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1. With tables
-    it replaces call.q by a new contiguous (batch, seqlen_q, nheads, headdim) tensor in q's dtype holding the rotated
-    queries (the caller's q is not modified); call.k_new keeps the caller's unrotated keys: after the append only its
-    length is read. The same bits as kvcache.apply_rotary then kvcache.append_to_cache for fp16, bf16 and fp32,
-    except that an append outside the cache (values check_values did not check) is dropped instead of stopping at
-    torch's index check. Nothing is read back from the GPU.
-    """
-    if call.k_new is None and call.rotary_cos is None:
-        return
-    plan = _APPEND_PLANS.get(call.layout)
-    if plan is None:
-        if len(_APPEND_PLANS) >= MAX_DECODE_PLANS:
-            _APPEND_PLANS.clear()
-        plan = _APPEND_PLANS[call.layout] = _append_plan(call)
-    # without tables q is never read or written: an absent tensor is passed as cache_seqlens (int32, never read)
-    q_out = torch.empty(plan.q_shape, dtype=plan.dtype, device=plan.device) if plan.rotary else call.cache_seqlens
-    if plan.grid[0]:
-        table = call.cache_seqlens if call.block_table is None else call.block_table
-        batch_idx = call.cache_seqlens if call.cache_batch_idx is None else call.cache_batch_idx
-        cos, sin = (call.rotary_cos, call.rotary_sin) if plan.rotary else (call.cache_seqlens, call.cache_seqlens)
-        launch_fixed(plan.kernel, plan.grid, (call.q, *_new_tokens(call), cos, sin, call.cache_seqlens, table,
-                                              batch_idx, q_out, call.k_cache, call.v_cache))
-    if plan.rotary:
-        call.q = q_out
