@@ -13,8 +13,7 @@ The backward re-runs the ring: the K/V shards travel again and each rank runs th
 visiting shard with the merged out and lse, whose probabilities exp(S - lse) and delta = rowsum(dO * out) are
 those of the whole sequence, so each shard's gradients are exactly its share (nothing recomputed under autograd).
 dQ stays on its rank; float32 dK/dV accumulators travel with the shards, one hop behind, until they reach their
-owners. Communication, memory and the
-overlap are described in docs/distributed.md.
+owners. Communication, memory and the overlap are described in docs/distributed.md.
 
 Layouts (how the global sequence of length W * seqlen_local is split over the W ranks; only causal attention
 depends on it):
@@ -306,8 +305,10 @@ def ring_flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Ten
             Identical on every rank (each sequence's shards have equal lengths).
         max_seqlen: the longest local shard (an upper bound, as flash_attn_varlen_func's max_seqlen_q and
             max_seqlen_k hints), the same on every rank.
-        group, causal, softmax_scale, window_size, softcap, alibi_slopes, layout: as in ring_flash_attn_func
-            (causal: within each sequence, over its global positions).
+        group, causal, softmax_scale, window_size, softcap, layout: as in ring_flash_attn_func (causal and the
+            window: within each sequence, over its global positions).
+        alibi_slopes: (nheads,) or (nseq, nheads) float32, as in flash_attn_varlen_func, over each sequence's
+            global positions.
         return_lse: also return the log-sum-exp of each local query row over its sequence's keys.
 
     Returns:
@@ -616,11 +617,12 @@ class _VarlenPlan:
                     for q_part, k_part, causal in _pieces(self.layout, self.causal, rank, src)]
         pieces = []
         for i, (start, end) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+            if end == start:
+                continue   # an empty sequence has no rows
             half = (end - start) // 2
             rows = {"all": slice(start, end), "first": slice(start, start + half), "second": slice(start + half, end)}
-            pieces += [(rows[q_part], rows[k_part], (i, offset)) for q_part, k_part, offset in
-                       _banded_pieces(self.layout, end - start, self.world, self.window, rank, src)] if end > start \
-                else []
+            for q_part, k_part, offset in _banded_pieces(self.layout, end - start, self.world, self.window, rank, src):
+                pieces.append((rows[q_part], rows[k_part], (i, offset)))
         return pieces
 
     def prepare(self, q, k, v, argument) -> PreparedCall:

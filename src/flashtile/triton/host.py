@@ -70,7 +70,7 @@ def scale_in_exp2(problem: AttentionProblem, flags: dict) -> bool:
 
 def score_constants(problem: AttentionProblem, mask_kind: int, precision: str) -> tuple[tuple, dict]:
     """The scalars and constexpr flags that describe scores (mask_kind 0 none, 1 bool, 2 additive; precision
-    from _dot_precision, which reads a torch setting that may change between calls)."""
+    from dot_precision, which reads a torch setting that may change between calls)."""
     softcap = problem.softcap if problem.softcap > 0 else 1.0
     # scale of the final scores in base 2; with softcap, tanh(q.k * softcap_scale) * softcap_out
     scalars = (problem.softmax_scale, problem.softmax_scale * LOG2E, problem.softmax_scale / softcap,
@@ -85,7 +85,7 @@ def score_constants(problem: AttentionProblem, mask_kind: int, precision: str) -
 
 def row_strides(t: torch.Tensor, batch_stride: int) -> tuple[int, int, int]:
     """(batch, row, head) strides of a (batch, rows, heads, dim) tensor as the kernels take them; batch_stride
-    0 for packed sequences, whose batch entries are found through cu_seqlens instead (see _packing)."""
+    0 for packed sequences, whose batch entries are found through cu_seqlens instead (see launch._packing)."""
     stride_b, stride_m, stride_h, _ = t.stride()  # one call: a fwd+bwd step asks for a dozen tensors' strides
     return stride_b * batch_stride, stride_m, stride_h
 
