@@ -640,8 +640,9 @@ def _gluon_forward(problem: AttentionProblem, hopper: bool) -> dict:
     # where the causal diagonal is offset by whole blocks the first consumer takes its last block on its first half
     across = (problem.seqlen_k < 4096 and not problem.has_alibi
               and problem.diagonal_offset + problem.window_right >= 0)
-    half = dict(gluon_half_diagonal=1) if (across and problem.window_right == 0 and problem.diagonal_offset % 128 == 0
-                                           and _diagonal_crosses_every_tile(problem)
+    # the half block where its own rule admits it on the table's tile (a band closing at a diagonal offset by whole
+    # blocks that crosses every tile's keys), under the releases where it measured faster
+    half = dict(gluon_half_diagonal=1) if (across and not _half_diagonal_reason(problem, GluonTile(across_tiles=True))
                                            and _triton_version() in HALF_DIAGONAL_TABLE_TRITON) else {}
     if wide:
         return dict(base, gluon_balanced=1, gluon_across_tiles=1, gluon_pingpong=1, **half) if across else \
