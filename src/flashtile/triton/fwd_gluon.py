@@ -27,7 +27,8 @@ row), run by the roles of one CTA, each a partition of `gl.warp_specialize`:
 - RESCALE_THRESHOLD = t > 0 (FlashAttention-4's conditional rescaling; the fa4 schedule): a row keeps its running
   max while a block raises it by at most t (base 2), so its probabilities stay below 2^t and alpha is 1; out and
   lse use the max that was kept, so the result is exact up to rounding. Every consumer still multiplies its
-  accumulator by alpha (a select per row: Gluon has no branch per warp).
+  accumulator by alpha (a select per row): skipping the multiply would need a branch on a reduction across the
+  warpgroup's four warps per key block.
 - HALF_DIAGONAL (with OVERLAP; dense batches, 128-row tiles against blocks of 128 keys, a band closing at the
   diagonal, its offset a multiple of 128 that crosses every tile's keys): the first consumer, whose rows see only
   the first half of a tile's last key block (its causal diagonal block), takes that block's Q Kᵀ, softmax and P V
